@@ -1,0 +1,21 @@
+"""Automatic mixed precision for JAX, native to Equinox."""
+
+from ._cast import cast_tree as cast_tree
+from ._filter_amp import filter_amp as filter_amp
+from ._filter_amp import full_precision as full_precision
+from ._filters import default_filter_spec as default_filter_spec
+from ._filters import keep as keep
+from ._grad import filter_grad as filter_grad
+from ._grad import filter_value_and_grad as filter_value_and_grad
+from ._loss_scale import AbstractLossScale as AbstractLossScale
+from ._loss_scale import DynamicLossScale as DynamicLossScale
+from ._loss_scale import NoOpLossScale as NoOpLossScale
+from ._loss_scale import StaticLossScale as StaticLossScale
+from ._loss_scale import all_finite as all_finite
+from ._loss_scale import select_tree as select_tree
+from ._policy import Policy as Policy
+from ._policy import default_policy as default_policy
+from ._policy import get_policy as get_policy
+
+
+__version__ = "0.1.0"

@@ -1,0 +1,95 @@
+"""Casting pytrees: only real floating arrays are ever touched."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from ._filters import FilterSpec, selection_mask
+
+
+def is_floating_array(leaf: Any) -> bool:
+    """True for JAX and NumPy arrays (and NumPy scalars) of a real floating dtype.
+
+    Integer, boolean, complex and PRNG-key arrays, Python scalars and every other
+    object are False: mixed precision never changes them.
+    """
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        return False
+    return jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
+def cast_leaf(leaf: Any, dtype: np.dtype) -> Any:
+    """Casts one leaf if it is a floating array not already of `dtype`.
+
+    Arrays already in `dtype` are returned as they are, so no convert op is traced.
+    """
+    if is_floating_array(leaf) and leaf.dtype != dtype:
+        return leaf.astype(dtype)
+    return leaf
+
+
+def floating_dtype(dtype: Any, argname: str = "dtype") -> np.dtype:
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(
+            f"`{argname}` must be a floating dtype such as jnp.bfloat16, got "
+            f"{dtype!r}."
+        ) from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"`{argname}` must be a real floating dtype (float16, bfloat16, float32, "
+            f"float64, or a float8 type), but got {dtype.name}."
+        )
+    return dtype
+
+
+def cast_tree(tree: PyTree, dtype: Any, filter_spec: FilterSpec = True) -> PyTree:
+    """Casts the floating arrays of `tree` that `filter_spec` selects to `dtype`.
+
+    Integer, boolean, complex and PRNG-key arrays, Python scalars and non-array
+    leaves are never touched, so a whole model (or a batch holding labels and keys)
+    can be passed as it is.
+
+    **Arguments:**
+
+    - `tree`: any pytree.
+    - `dtype`: a real floating dtype.
+    - `filter_spec`: what `eqx.partition` accepts: a bool, a callable `leaf -> bool`,
+        or a pytree prefix of `tree` with those as leaves. `True` casts, `False`
+        keeps the leaf's dtype.
+
+    **Returns:**
+
+    A pytree of the same structure.
+
+    **Example:**
+
+    ```python
+    model = eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0))
+    half = eqx_amp.cast_tree(model, jnp.bfloat16)
+    norms_kept = eqx_amp.cast_tree(model, jnp.bfloat16, eqx_amp.default_filter_spec(model))
+    ```
+    """
+    dtype = floating_dtype(dtype)
+    if filter_spec is True:
+        return jtu.tree_map(lambda leaf: cast_leaf(leaf, dtype), tree)
+    mask = selection_mask(tree, filter_spec)
+    return jtu.tree_map(
+        lambda selected, leaf: cast_leaf(leaf, dtype) if selected else leaf, mask, tree
+    )
+
+
+def widest_floating_dtype(tree: PyTree) -> np.dtype | None:
+    """The widest dtype among the floating arrays of `tree`, or `None` if it has none."""
+    dtypes = {leaf.dtype for leaf in jtu.tree_leaves(tree) if is_floating_array(leaf)}
+    if not dtypes:
+        return None
+    # Standard promotion on purpose: bfloat16 and float16 widen to float32, and a
+    # user's strict-promotion setting must not turn this bookkeeping into an error.
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.dtype(jnp.result_type(*dtypes))

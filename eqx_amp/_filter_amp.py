@@ -1,0 +1,371 @@
+"""Call-boundary mixed precision: `filter_amp` and `full_precision`."""
+
+import functools as ft
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from ._cast import cast_leaf, cast_tree, is_floating_array, widest_floating_dtype
+from ._filters import STATE_TYPES, FilterSpec, default_filter_spec, selection_mask
+from ._policy import Policy, resolve_policy
+
+
+_F = TypeVar("_F", bound=Callable)
+
+# `autocast` keeps every op under this scope at the dtypes it was traced with.
+FULL_PRECISION_SCOPE = "eqx_amp.full_precision"
+
+_sentinel: Any = object()
+
+_PYTREE_SPEC_NEEDS_PYTREE = (
+    "`filter_spec` is a pytree, but the function passed to `filter_amp` is not an "
+    "`eqx.Module`, so there is no structure for it to match. Pass the module itself "
+    "(`filter_amp(model, filter_spec=spec)`), or a bool or a callable "
+    "`leaf -> bool`, which is applied to every module the function closes over."
+)
+
+
+#
+# Running a function at another dtype, with casts at its boundary.
+#
+
+
+def _cast_values(tree: PyTree, dtype_of: Callable[[np.dtype], np.dtype]) -> PyTree:
+    """Casts every floating array to `dtype_of(its dtype)`, except `eqx.nn.State`
+    (running statistics keep their dtype across steps)."""
+
+    def cast(leaf):
+        if is_floating_array(leaf):
+            return cast_leaf(leaf, dtype_of(leaf.dtype))
+        return leaf
+
+    is_state = lambda x: isinstance(x, STATE_TYPES)  # noqa: E731
+    return jtu.tree_map(
+        lambda x: x if is_state(x) else cast(x), tree, is_leaf=is_state
+    )
+
+
+def _call_at(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    dtype_of: Callable[[np.dtype], np.dtype],
+) -> Any:
+    """Calls `fn` with floating inputs cast by `dtype_of`, and casts floating outputs
+    back to the widest floating input dtype, so that the caller sees no change of
+    dtype."""
+    caller_dtype = widest_floating_dtype(_drop_state((args, kwargs)))
+    args, kwargs = _cast_values((args, kwargs), dtype_of)
+    out = fn(*args, **kwargs)
+    if caller_dtype is None:
+        return out
+    return _cast_values(out, lambda _: caller_dtype)
+
+
+def _drop_state(tree: PyTree) -> PyTree:
+    is_state = lambda x: isinstance(x, STATE_TYPES)  # noqa: E731
+    return jtu.tree_map(lambda x: None if is_state(x) else x, tree, is_leaf=is_state)
+
+
+@ft.cache
+def _boundary_class(cls: type, dtype: np.dtype) -> type:
+    """A subclass of `cls` whose `__call__` runs at `dtype` with casts at its own call
+    boundary. A subclass rather than a wrapper, so that `isinstance` checks made by
+    the surrounding model (`eqx.nn.Sequential` looks for `StatefulLayer`) still
+    hold."""
+
+    def __call__(self, *args, **kwargs):
+        return _call_at(
+            ft.partial(cls.__call__, self), args, kwargs, lambda _: dtype
+        )
+
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+    }
+    return type(cls.__name__, (cls,), namespace)
+
+
+def _with_boundary_class(module: eqx.Module, dtype: np.dtype) -> eqx.Module:
+    new = object.__new__(_boundary_class(type(module), dtype))
+    for name, value in vars(module).items():
+        object.__setattr__(new, name, value)
+    return new
+
+
+def _fully_kept(node: eqx.Module, mask: PyTree[bool]) -> bool:
+    """True when `node` has floating arrays and the spec keeps all of them."""
+    selected = [
+        sel
+        for leaf, sel in zip(jtu.tree_leaves(node), jtu.tree_leaves(mask))
+        if is_floating_array(leaf)
+    ]
+    return bool(selected) and not any(selected)
+
+
+def _is_boundary_candidate(node: Any) -> bool:
+    return (
+        isinstance(node, eqx.Module)
+        and not isinstance(node, STATE_TYPES)
+        and callable(node)
+    )
+
+
+def _add_kept_boundaries(tree: PyTree, mask: PyTree[bool], dtype: np.dtype) -> PyTree:
+    """Makes every callable submodule whose floating leaves are all kept run at
+    `dtype`, with casts at its own call boundary."""
+
+    def visit(node, node_mask):
+        if _is_boundary_candidate(node) and _fully_kept(node, node_mask):
+            return _with_boundary_class(node, dtype)
+        is_child_module = lambda x: x is not node and isinstance(x, eqx.Module)  # noqa: E731
+        children_leaves = jtu.tree_leaves(node, is_leaf=is_child_module)
+        if not any(isinstance(c, eqx.Module) for c in children_leaves):
+            return node
+        return jtu.tree_map(visit, node, node_mask, is_leaf=is_child_module)
+
+    return visit(tree, mask)
+
+
+#
+# Views of a callable with its parameters cast.
+#
+
+
+def _cast_module(tree: PyTree, policy: Policy, filter_spec: FilterSpec | None) -> PyTree:
+    spec = default_filter_spec(tree) if filter_spec is None else filter_spec
+    mask = selection_mask(tree, spec)
+    compute = policy.compute_dtype
+    cast = jtu.tree_map(
+        lambda selected, leaf: cast_leaf(leaf, compute) if selected else leaf,
+        mask,
+        tree,
+    )
+    return _add_kept_boundaries(cast, mask, policy.param_dtype)
+
+
+def _amp_view(fn: Any, policy: Policy, filter_spec: FilterSpec | None, seen: set) -> Any:
+    """`fn` with the floating leaves it holds cast to the compute dtype: the leaves of
+    a module, of the object a method is bound to, of the arguments of a
+    `functools.partial`, and of the values a closure captures."""
+    if id(fn) in seen:
+        return fn
+    seen = seen | {id(fn)}
+    if isinstance(fn, eqx.Module) or _is_pytree_node(fn) or is_floating_array(fn):
+        return _cast_module(fn, policy, filter_spec)
+    if isinstance(fn, types.MethodType):
+        bound_to = _amp_view(fn.__self__, policy, filter_spec, seen)
+        return types.MethodType(fn.__func__, bound_to)
+    if isinstance(fn, ft.partial):
+        return ft.partial(
+            _amp_view(fn.func, policy, filter_spec, seen),
+            *(_amp_view(a, policy, filter_spec, seen) for a in fn.args),
+            **{k: _amp_view(v, policy, filter_spec, seen) for k, v in fn.keywords.items()},
+        )
+    if isinstance(fn, types.FunctionType) and fn.__closure__:
+        cells = []
+        for cell in fn.__closure__:
+            try:
+                value = cell.cell_contents
+            except ValueError:  # A cell not yet filled (a recursive local function).
+                cells.append(cell)
+                continue
+            cells.append(types.CellType(_amp_view(value, policy, filter_spec, seen)))
+        new_fn = types.FunctionType(
+            fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells)
+        )
+        new_fn.__kwdefaults__ = fn.__kwdefaults__
+        new_fn.__dict__.update(fn.__dict__)
+        return new_fn
+    if isinstance(fn, (list, tuple, dict)):
+        return _cast_module(fn, policy, filter_spec)
+    return fn
+
+
+def _is_pytree_node(obj: Any) -> bool:
+    """Registered pytree nodes other than plain containers (those are handled with
+    the closure logic so that functions inside them are looked into too)."""
+    if isinstance(obj, (list, tuple, dict)) or obj is None:
+        return False
+    return jtu.treedef_is_leaf(jtu.tree_structure(obj)) is False
+
+
+class _AmpWrapper(eqx.Module):
+    fn: Callable
+    policy: Policy = eqx.field(static=True)
+    filter_spec: FilterSpec | None
+
+    @property
+    def __wrapped__(self):
+        return self.fn
+
+    def __call__(self, *args, **kwargs):
+        policy = self.policy
+        fn = _amp_view(self.fn, policy, self.filter_spec, set())
+        args, kwargs = _cast_module((args, kwargs), policy, None)
+        out = fn(*args, **kwargs)
+        return _cast_values(out, lambda _: policy.output_dtype)
+
+    def __get__(self, instance, owner):
+        del owner
+        if instance is None:
+            return self
+        return eqx.Partial(self, instance)
+
+
+def filter_amp(
+    fn: _F = _sentinel,
+    *,
+    policy: Policy | str | None = None,
+    filter_spec: FilterSpec | None = None,
+) -> _F:
+    """Runs `fn` in mixed precision, casting at its call boundary.
+
+    On each call, the floating leaves of `fn` that `filter_spec` selects and every
+    floating array argument are cast to the compute dtype; `fn` runs; floating
+    outputs are cast to the output dtype. A submodule whose floating leaves are all
+    kept by the spec (normalisation layers, by default) runs in the parameter dtype,
+    with casts at its own call boundary. `eqx.nn.State` is never cast. Gradients
+    taken through the call arrive in the dtype of the parameters (the master dtype).
+
+    **Arguments:**
+
+    - `fn`: an `eqx.Module`, a method bound to one, a `functools.partial`, a closure
+        over modules, or any callable. Arrays `fn` holds in a module, a partial or a
+        closure are cast; module-level globals are not.
+    - `policy`: a `Policy` or a policy string; `None` means `default_policy()`.
+    - `filter_spec`: which floating leaves of `fn` are cast, as `eqx.partition`
+        accepts; `None` means `default_filter_spec(fn)`. A pytree spec needs `fn` to
+        be a module. Array arguments always follow `default_filter_spec`.
+
+    **Returns:**
+
+    A callable with `fn`'s signature. It is an `eqx.Module`, so it can be passed
+    through `eqx.filter_jit` and `eqx.filter_grad` like `fn` itself.
+
+    **Example:**
+
+    ```python
+    model = eqx.nn.MLP(784, 10, 256, 2, key=jax.random.key(0))
+    amp_model = eqx_amp.filter_amp(model, policy="mixed_bfloat16")
+    logits = jax.vmap(amp_model)(images)  # matmuls in bfloat16, logits in float32
+
+    @eqx_amp.filter_amp
+    def loss_fn(model, x, y): ...
+    ```
+    """
+    if fn is _sentinel:
+        return ft.partial(filter_amp, policy=policy, filter_spec=filter_spec)
+    if not callable(fn):
+        raise TypeError(
+            f"`filter_amp` takes a callable (an `eqx.Module` or a function), but got "
+            f"{type(fn).__name__}."
+        )
+    policy = resolve_policy(policy)
+    _check_filter_spec(fn, filter_spec)
+    return eqx.module_update_wrapper(_AmpWrapper(fn, policy, filter_spec))
+
+
+def _check_filter_spec(fn: Any, filter_spec: FilterSpec | None) -> None:
+    """Fails at `filter_amp(...)` rather than at the first call, from inside a jit."""
+    if filter_spec is None:
+        return
+    if isinstance(fn, eqx.Module) or _is_pytree_node(fn):
+        selection_mask(fn, filter_spec)
+    elif not (isinstance(filter_spec, bool) or callable(filter_spec)):
+        raise ValueError(_PYTREE_SPEC_NEEDS_PYTREE)
+
+
+#
+# full_precision
+#
+
+
+def _upcast_to_float32(dtype: np.dtype) -> np.dtype:
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.promote_types(dtype, jnp.float32)
+
+
+class _FullPrecisionWrapper(eqx.Module):
+    fn: Callable
+
+    @property
+    def __wrapped__(self):
+        return self.fn
+
+    def __call__(self, *args, **kwargs):
+        fn = self.fn
+        if isinstance(fn, eqx.Module) or _is_pytree_node(fn):
+            fn = _cast_values(fn, _upcast_to_float32)
+        with jax.named_scope(FULL_PRECISION_SCOPE):
+            return _call_at(fn, args, kwargs, _upcast_to_float32)
+
+    def __get__(self, instance, owner):
+        del owner
+        if instance is None:
+            return self
+        return eqx.Partial(self, instance)
+
+
+class _FullPrecisionScope:
+    """`with full_precision():` opens a named scope that `autocast` keeps at the
+    traced dtypes; `@full_precision()` decorates like `@full_precision`."""
+
+    def __init__(self):
+        self._open_scopes = []
+
+    def __enter__(self):
+        scope = jax.named_scope(FULL_PRECISION_SCOPE)
+        scope.__enter__()
+        self._open_scopes.append(scope)
+
+    def __exit__(self, *exc_info):
+        return self._open_scopes.pop().__exit__(*exc_info)
+
+    def __call__(self, fn: _F) -> _F:
+        return full_precision(fn)
+
+
+def full_precision(fn: _F | None = None) -> _F | _FullPrecisionScope:
+    """Runs a function in float32 inside mixed-precision code.
+
+    As a decorator (`@full_precision` or `full_precision(fn)`), `fn` runs in float32:
+    narrower floating inputs (and the floating leaves of `fn`, if it is a module) are
+    cast up, and floating outputs are cast back to the widest floating input dtype of
+    the call, so the code around it sees no change. As a context manager
+    (`with full_precision():`), the ops inside are kept at the dtypes they were traced
+    with by `autocast`.
+
+    **Arguments:**
+
+    - `fn`: the function or module to run in float32, or nothing for the
+        context-manager form.
+
+    **Example:**
+
+    ```python
+    @eqx_amp.full_precision
+    def attention_weights(logits):
+        return jax.nn.softmax(logits)  # float32 even when `logits` is bfloat16
+
+    with eqx_amp.full_precision():
+        y = jnp.exp(x)  # kept as traced under `autocast`
+    ```
+    """
+    if fn is None:
+        return _FullPrecisionScope()
+    if not callable(fn):
+        raise TypeError(
+            "`full_precision` takes a callable to decorate, or no argument for the "
+            f"context-manager form, but got {type(fn).__name__}."
+        )
+    return eqx.module_update_wrapper(_FullPrecisionWrapper(fn))

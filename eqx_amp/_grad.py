@@ -1,0 +1,535 @@
+"""Gradients with loss scaling: `filter_value_and_grad` and `filter_grad`."""
+
+import functools as ft
+import inspect
+import operator
+from collections.abc import Callable, Hashable
+from typing import Any, Literal, overload
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, Bool, Float, PyTree
+
+from ._loss_scale import (
+    AbstractLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    unbound_axis_name_error,
+)
+
+
+_sentinel: Any = object()
+
+_MISSING_LOSS_SCALE = (
+    "Functions wrapped with `eqx_amp.filter_value_and_grad` or `eqx_amp.filter_grad` "
+    "must be called with a `loss_scale` keyword argument, such as "
+    "`grad_fn(model, x, y, loss_scale=eqx_amp.DynamicLossScale())`. Use "
+    "`eqx_amp.NoOpLossScale()` to differentiate without scaling."
+)
+_NO_POSITIONAL = (
+    "Functions wrapped with `eqx_amp.filter_value_and_grad` or `eqx_amp.filter_grad` "
+    "must have their first argument passed by position: it is the argument that is "
+    "differentiated."
+)
+_HAS_AUX_NOT_PAIR = (
+    "`fun` was wrapped with `has_aux=True`, so it must return a pair "
+    "`(loss, aux)`, but it returned {}."
+)
+_LOSS_NOT_ARRAY = (
+    "The output of `fun` must be a scalar loss (a floating array of shape ()), but "
+    "`fun` returned {}.{}"
+)
+_HINT_HAS_AUX = " If `fun` returns `(loss, aux)`, pass `has_aux=True`."
+
+
+#
+# Checking what `fun` returns.
+#
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, jax.Array | np.ndarray | np.generic):
+        return f"an array of dtype {x.dtype} and shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"
+
+
+def _split_output(out: Any, has_aux: bool) -> tuple[Array, Any]:
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(_HAS_AUX_NOT_PAIR.format(_describe(out))) from None
+        loss, aux = out
+    else:
+        loss, aux = out, None
+    if isinstance(loss, bool) or not isinstance(
+        loss, jax.Array | np.ndarray | np.generic | float | int
+    ):
+        hint = _HINT_HAS_AUX if isinstance(loss, tuple) and not has_aux else ""
+        raise TypeError(_LOSS_NOT_ARRAY.format(_describe(loss), hint)) from None
+    loss = jnp.asarray(loss)
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(
+            "The output of `fun` must be a floating scalar loss, but `fun` returned "
+            f"an array of dtype {loss.dtype}."
+        ) from None
+    if loss.shape != ():
+        raise ValueError(
+            "The output of `fun` must be a scalar loss (shape ()), but `fun` returned "
+            f"an array of shape {tuple(loss.shape)}. Reduce it first, for example "
+            "with `jnp.mean`."
+        ) from None
+    return loss, aux
+
+
+def _at_least_float32(dtype: Any) -> np.dtype:
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
+
+
+#
+# One forward and backward pass.
+#
+
+
+def _value_and_scaled_grad(
+    fun: Callable,
+    has_aux: bool,
+    axis_name: Hashable | None,
+    x: PyTree,
+    args: tuple,
+    kwargs: dict,
+    loss_scale: AbstractLossScale,
+) -> tuple[Array, Any, PyTree, Bool[Array, ""]]:
+    """Differentiates `loss_scale.scale(fun(x, ...))` with respect to `x`, and
+    unscales the gradients with that same scale."""
+
+    def scaled_loss(x, loss_scale):
+        loss, aux = _split_output(fun(x, *args, **kwargs), has_aux)
+        # Scale in (at least) float32: a float16 loss times 2**16 would overflow.
+        loss = loss.astype(_at_least_float32(loss.dtype))
+        return loss_scale.scale(loss), (loss, aux)
+
+    (_, (value, aux)), grads = eqx.filter_value_and_grad(scaled_loss, has_aux=True)(
+        x, loss_scale
+    )
+    grads = loss_scale.unscale(grads)
+    if axis_name is not None:
+        with unbound_axis_name_error(axis_name):
+            grads = jax.lax.pmean(grads, axis_name)
+            value = jax.lax.pmean(value, axis_name)
+    grads_finite = all_finite(grads, axis_name=axis_name)
+    return value, aux, grads, grads_finite
+
+
+def _placeholder(struct: jax.ShapeDtypeStruct) -> Array:
+    return jnp.zeros(struct.shape, struct.dtype)
+
+
+def _is_struct(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _redo_until_finite(attempt: Callable, loss_scale: AbstractLossScale, redo: int):
+    """Runs `attempt` with `loss_scale`, and while its gradients are not finite (at
+    most `redo` more times) with the adjusted scale, inside one `lax.while_loop`, so
+    that the forward and backward passes are compiled once."""
+    out_struct = eqx.filter_eval_shape(attempt, loss_scale)
+    out_dynamic_struct, out_static = eqx.partition(out_struct, _is_struct)
+    scale_dynamic, scale_static = eqx.partition(loss_scale, eqx.is_array)
+
+    def cond(carry):
+        tries, _, _, grads_finite = carry
+        return (tries <= redo) & jnp.logical_not(grads_finite)
+
+    def body(carry):
+        tries, scale_dynamic, _, _ = carry
+        scale = eqx.combine(scale_dynamic, scale_static)
+        out = attempt(scale)
+        grads_finite = out[-1]
+        new_scale_dynamic, _ = eqx.partition(scale.adjust(grads_finite), eqx.is_array)
+        out_dynamic, _ = eqx.partition(out, eqx.is_array)
+        return tries + 1, new_scale_dynamic, out_dynamic, grads_finite
+
+    init = (
+        jnp.zeros((), jnp.int32),
+        scale_dynamic,
+        jtu.tree_map(_placeholder, out_dynamic_struct),
+        jnp.asarray(False),
+    )
+    _, scale_dynamic, out_dynamic, grads_finite = jax.lax.while_loop(cond, body, init)
+    out = eqx.combine(out_dynamic, out_static)
+    return out, eqx.combine(scale_dynamic, scale_static)
+
+
+#
+# The wrappers.
+#
+
+
+class _ScaledValueAndGradWrapper(eqx.Module):
+    _fun: Callable
+    _has_aux: bool = eqx.field(static=True)
+    _redo_on_nan: int = eqx.field(static=True)
+    _axis_name: Hashable | None = eqx.field(static=True)
+
+    @property
+    def __wrapped__(self):
+        return self._fun
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return _signature_with_loss_scale(self._fun)
+
+    def __call__(self, /, *args, loss_scale: AbstractLossScale = _sentinel, **kwargs):
+        if loss_scale is _sentinel:
+            raise TypeError(_MISSING_LOSS_SCALE)
+        if not isinstance(loss_scale, AbstractLossScale):
+            raise TypeError(
+                "`loss_scale` must be an `eqx_amp.AbstractLossScale` (such as "
+                "`eqx_amp.DynamicLossScale()`), but got "
+                f"{type(loss_scale).__name__}."
+            )
+        if len(args) == 0:
+            raise TypeError(_NO_POSITIONAL)
+        x, *args = args
+        attempt = ft.partial(
+            _value_and_scaled_grad,
+            self._fun,
+            self._has_aux,
+            self._axis_name,
+            x,
+            tuple(args),
+            kwargs,
+        )
+        # Recomputing with a scale that `adjust` does not change would give the same
+        # non-finite gradients again.
+        fixed = isinstance(loss_scale, NoOpLossScale | StaticLossScale)
+        if self._redo_on_nan == 0 or fixed:
+            value, aux, grads, grads_finite = attempt(loss_scale)
+            new_loss_scale = loss_scale.adjust(grads_finite)
+        else:
+            (value, aux, grads, grads_finite), new_loss_scale = _redo_until_finite(
+                attempt, loss_scale, self._redo_on_nan
+            )
+        if self._has_aux:
+            value = (value, aux)
+        return (value, grads), new_loss_scale, grads_finite
+
+    def __get__(self, instance, owner):
+        del owner
+        if instance is None:
+            return self
+        return eqx.Partial(self, instance)
+
+
+class _ScaledGradWrapper(eqx.Module):
+    _fun_value_and_grad: _ScaledValueAndGradWrapper
+    _has_aux: bool = eqx.field(static=True)
+
+    @property
+    def __wrapped__(self):
+        return self._fun_value_and_grad.__wrapped__
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return self._fun_value_and_grad.__signature__
+
+    def __call__(self, /, *args, **kwargs):
+        (value, grads), new_loss_scale, grads_finite = self._fun_value_and_grad(
+            *args, **kwargs
+        )
+        if self._has_aux:
+            _, aux = value
+            return (grads, aux), new_loss_scale, grads_finite
+        return grads, new_loss_scale, grads_finite
+
+    def __get__(self, instance, owner):
+        del owner
+        if instance is None:
+            return self
+        return eqx.Partial(self, instance)
+
+
+def _signature_with_loss_scale(fun: Callable) -> inspect.Signature:
+    """`fun`'s signature with a keyword-only `loss_scale` added, so that
+    `eqx.filter_jit` (which binds arguments to the signature) accepts it."""
+    loss_scale = inspect.Parameter("loss_scale", inspect.Parameter.KEYWORD_ONLY)
+    try:
+        signature = inspect.signature(fun)
+    except (TypeError, ValueError):
+        return inspect.Signature(
+            [
+                inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+                loss_scale,
+                inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+            ]
+        )
+    params = [p for p in signature.parameters.values() if p.name != "loss_scale"]
+    var_keyword = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+    params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    return signature.replace(parameters=[*params, loss_scale, *var_keyword])
+
+
+def _check_options(has_aux: Any, redo_on_nan: Any, axis_name: Any) -> int:
+    if not isinstance(has_aux, bool | np.bool_):
+        raise TypeError(f"`has_aux` must be a bool, but got {has_aux!r}.")
+    if isinstance(redo_on_nan, bool | np.bool_):
+        raise TypeError("`redo_on_nan` must be a Python int, not a bool.")
+    try:
+        redo_on_nan = operator.index(redo_on_nan)
+    except TypeError:
+        raise TypeError(
+            "`redo_on_nan` must be a Python int (how many times to recompute the "
+            f"gradients when they are not finite), but got {redo_on_nan!r}."
+        ) from None
+    if redo_on_nan < 0:
+        raise ValueError(
+            "`redo_on_nan` must be 0 or more (how many times to recompute the "
+            f"gradients with a lower loss scale when they are not finite), but got "
+            f"{redo_on_nan}."
+        )
+    try:
+        hash(axis_name)
+    except TypeError:
+        raise TypeError(
+            "`axis_name` must be the (hashable) name of a mapped axis, or None, but "
+            f"got {axis_name!r}."
+        ) from None
+    return redo_on_nan
+
+
+_Grads = PyTree[Float[Array, "..."] | None]
+
+
+@overload
+def filter_value_and_grad(
+    *,
+    has_aux: Literal[False] = False,
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+) -> Callable[
+    [Callable[..., Float[Array, ""]]],
+    Callable[
+        ..., tuple[tuple[Float[Array, ""], _Grads], AbstractLossScale, Bool[Array, ""]]
+    ],
+]: ...
+
+
+@overload
+def filter_value_and_grad(
+    *,
+    has_aux: Literal[True],
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+) -> Callable[
+    [Callable[..., tuple[Float[Array, ""], Any]]],
+    Callable[
+        ...,
+        tuple[
+            tuple[tuple[Float[Array, ""], Any], _Grads],
+            AbstractLossScale,
+            Bool[Array, ""],
+        ],
+    ],
+]: ...
+
+
+@overload
+def filter_value_and_grad(
+    fun: Callable[..., Float[Array, ""]],
+    *,
+    has_aux: Literal[False] = False,
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+) -> Callable[
+    ..., tuple[tuple[Float[Array, ""], _Grads], AbstractLossScale, Bool[Array, ""]]
+]: ...
+
+
+@overload
+def filter_value_and_grad(
+    fun: Callable[..., tuple[Float[Array, ""], Any]],
+    *,
+    has_aux: Literal[True],
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+) -> Callable[
+    ...,
+    tuple[
+        tuple[tuple[Float[Array, ""], Any], _Grads], AbstractLossScale, Bool[Array, ""]
+    ],
+]: ...
+
+
+def filter_value_and_grad(
+    fun: Callable = _sentinel,
+    *,
+    has_aux: bool = False,
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+) -> Callable:
+    """Like `eqx.filter_value_and_grad`, with loss scaling.
+
+    The returned function is called as `g(*args, loss_scale=ls, **kwargs)`. It
+    differentiates `ls.scale(fun(*args, **kwargs))` with respect to every floating
+    array of the first argument (non-floating leaves get `None`), unscales the
+    gradients with `ls` (the scale that produced them), checks that they are finite,
+    and only then adjusts the scale.
+
+    **Arguments:**
+
+    - `fun`: the function to differentiate. It returns a floating scalar loss, or a
+        pair `(loss, aux)` with `has_aux=True`.
+    - `has_aux`: whether `fun` returns auxiliary data alongside the loss.
+    - `redo_on_nan`: when the gradients are not finite, adjust the scale (for a
+        `DynamicLossScale`, divide it by its `factor`) and recompute them, at most
+        this many more times. The tries run inside one `lax.while_loop`, so the
+        forward and backward passes are compiled once. `0` (the default) computes
+        once and leaves skipping the step to the caller. With a `NoOpLossScale` or
+        a `StaticLossScale`, recomputing would give the same result, so it never
+        happens.
+    - `axis_name`: the name of a mapped axis (of `jax.shard_map`, `jax.pmap` or a
+        named `jax.vmap`) to average over. The gradients and the loss are averaged
+        with `lax.pmean` over it before the finiteness check, and the check is agreed
+        across it, so every device takes (or skips) the step and adjusts the scale
+        identically. Parameters are assumed to be replicated over that axis (data
+        parallelism).
+
+    !!! info "Gradients under `jax.shard_map`"
+
+        With `check_vma=True` (the default), JAX already *sums* the gradients of
+        parameters replicated over the axis (`in_specs=P()`): the backward pass of
+        the implicit broadcast of a replicated value is a `psum`. They arrive
+        identical on every device, and `lax.pmean` leaves them as they are: the
+        gradient of the *sum* of the per-device losses. To get the gradient of the
+        mean, return the global mean loss from `fun`,
+        `jax.lax.pmean(local_loss, axis_name)`, (or divide the local loss by
+        `jax.lax.axis_size(axis_name)`). That recipe also gives the mean with
+        `check_vma=False` and with `jax.pmap`, where gradients are per-device and
+        `axis_name` averages them.
+
+    **Returns:**
+
+    A function `g(*args, loss_scale, **kwargs)` returning
+    `((value, grads), new_loss_scale, grads_finite)`:
+
+    - `value`: the unscaled loss, in float32 (or wider, if `fun` returns float64);
+        `(loss, aux)` with `has_aux=True`.
+    - `grads`: the unscaled gradients, with the structure of the first argument.
+        Gradients of half-precision leaves are unscaled in float32 and returned in
+        float32, so unscaling never rounds them to half precision.
+    - `new_loss_scale`: `ls.adjust(grads_finite)`, the scale for the next step.
+    - `grads_finite`: a boolean scalar, whether every gradient is finite. Skipping
+        the step when it is `False` is the caller's choice: use
+        `eqx_amp.select_tree` or `optax.apply_if_finite`.
+
+    `g` is an `eqx.Module`: it works under `eqx.filter_jit` and as a method.
+
+    **Example:**
+
+    ```python
+    @eqx_amp.filter_value_and_grad
+    def loss_fn(model, x, y):
+        pred = jax.vmap(eqx_amp.filter_amp(model, policy="mixed_float16"))(x)
+        return jnp.mean((pred - y) ** 2)
+
+    @eqx.filter_jit
+    def step(model, opt_state, loss_scale, x, y):
+        (loss, grads), loss_scale, grads_finite = loss_fn(
+            model, x, y, loss_scale=loss_scale
+        )
+        updates, new_opt_state = optim.update(grads, opt_state, model)
+        new_model = eqx.apply_updates(model, updates)
+        model, opt_state = eqx_amp.select_tree(
+            grads_finite, (new_model, new_opt_state), (model, opt_state)
+        )
+        return model, opt_state, loss_scale, loss
+    ```
+    """
+    redo_on_nan = _check_options(has_aux, redo_on_nan, axis_name)
+    if fun is _sentinel:
+        return ft.partial(
+            filter_value_and_grad,
+            has_aux=has_aux,
+            redo_on_nan=redo_on_nan,
+            axis_name=axis_name,
+        )
+    if not callable(fun):
+        raise TypeError(
+            f"`fun` must be callable, but got {type(fun).__name__}. Use "
+            "`filter_value_and_grad(fun, ...)` or "
+            "`@filter_value_and_grad(has_aux=...)`."
+        )
+    wrapper = _ScaledValueAndGradWrapper(fun, bool(has_aux), redo_on_nan, axis_name)
+    return eqx.module_update_wrapper(wrapper)
+
+
+@overload
+def filter_grad(
+    *,
+    has_aux: bool = False,
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+) -> Callable[[Callable], Callable]: ...
+
+
+@overload
+def filter_grad(
+    fun: Callable[..., Float[Array, ""]],
+    *,
+    has_aux: Literal[False] = False,
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+) -> Callable[..., tuple[_Grads, AbstractLossScale, Bool[Array, ""]]]: ...
+
+
+@overload
+def filter_grad(
+    fun: Callable[..., tuple[Float[Array, ""], Any]],
+    *,
+    has_aux: Literal[True],
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+) -> Callable[..., tuple[tuple[_Grads, Any], AbstractLossScale, Bool[Array, ""]]]: ...
+
+
+def filter_grad(
+    fun: Callable = _sentinel,
+    *,
+    has_aux: bool = False,
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+) -> Callable:
+    """Like `eqx.filter_grad`, with loss scaling: `eqx_amp.filter_value_and_grad`
+    without the value.
+
+    **Arguments:**
+
+    The same as `eqx_amp.filter_value_and_grad`.
+
+    **Returns:**
+
+    A function `g(*args, loss_scale, **kwargs)` returning
+    `(grads, new_loss_scale, grads_finite)`, or
+    `((grads, aux), new_loss_scale, grads_finite)` with `has_aux=True`. `grads` are
+    unscaled, in float32 for every half-precision leaf.
+
+    **Example:**
+
+    ```python
+    grad_fn = eqx_amp.filter_grad(loss_fn, redo_on_nan=2)
+    grads, loss_scale, grads_finite = grad_fn(model, x, y, loss_scale=loss_scale)
+    ```
+    """
+    redo_on_nan = _check_options(has_aux, redo_on_nan, axis_name)
+    if fun is _sentinel:
+        return ft.partial(
+            filter_grad, has_aux=has_aux, redo_on_nan=redo_on_nan, axis_name=axis_name
+        )
+    value_and_grad = filter_value_and_grad(
+        fun, has_aux=has_aux, redo_on_nan=redo_on_nan, axis_name=axis_name
+    )
+    return eqx.module_update_wrapper(_ScaledGradWrapper(value_and_grad, bool(has_aux)))

@@ -1,0 +1,547 @@
+"""Loss scaling, with the semantics of google-deepmind/jmp, as `eqx.Module`s.
+
+A loss scale multiplies the loss before differentiation so that small gradients do
+not underflow in half precision, and divides the gradients afterwards. All three
+scales are pytrees whose array leaves are scalars (`loss_scale` float32, `counter`
+int32, `min_loss_scale` float32) and whose configuration (`period`, `factor`) is
+static, so a scale passes through `jax.jit` with every field intact, can be a
+`lax.scan` or `lax.while_loop` carry, and round-trips through
+`eqx.tree_serialise_leaves`.
+"""
+
+import abc
+import contextlib
+import functools as ft
+import numbers
+import operator
+from collections.abc import Hashable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from equinox import AbstractVar
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PyTree
+
+from ._cast import is_floating_array
+
+
+_GRADS_FINITE_NOT_BOOL = (
+    "`grads_finite` must be a boolean scalar, such as the output of "
+    "`eqx_amp.all_finite(grads)`, but got {}."
+)
+_PRED_NOT_BOOL = (
+    "`pred` must be a boolean scalar (a Python bool or a bool array of shape ()), "
+    "such as the output of `eqx_amp.all_finite(grads)`, but got {}."
+)
+_STRUCTURE_MISMATCH = (
+    "`a` and `b` must have the same pytree structure (the same containers, module "
+    "types and static fields), so that either can be returned in place of the "
+    "other. `a` is {} and `b` is {}."
+)
+
+
+#
+# Helpers.
+#
+
+
+def _describe(x: Any) -> str:
+    if eqx.is_array(x):
+        return f"an array of dtype {x.dtype} and shape {tuple(x.shape)}"
+    return f"{type(x).__name__} {x!r}"
+
+
+def _scalar_array(value: Any, dtype: Any, argname: str) -> Array:
+    """`value` as a scalar array of `dtype`; the argument is named on error."""
+    is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    is_real_array = eqx.is_array(value) and (
+        jnp.issubdtype(value.dtype, jnp.integer)
+        or jnp.issubdtype(value.dtype, jnp.floating)
+    )
+    if not (is_number or is_real_array):
+        raise TypeError(
+            f"`{argname}` must be a real number or a real scalar array, but got "
+            f"{_describe(value)}."
+        )
+    array = jnp.asarray(value, dtype=dtype)
+    if array.shape != ():
+        raise ValueError(
+            f"`{argname}` must be a scalar, but got an array of shape "
+            f"{tuple(array.shape)}."
+        )
+    return array
+
+
+_as_loss_scale = ft.partial(_scalar_array, dtype=jnp.float32, argname="loss_scale")
+_as_counter = ft.partial(_scalar_array, dtype=jnp.int32, argname="counter")
+_as_min_loss_scale = ft.partial(
+    _scalar_array, dtype=jnp.float32, argname="min_loss_scale"
+)
+
+
+def _concrete(x: Array) -> float | None:
+    """The value of a scalar array, or `None` under tracing (a scale is rebuilt with
+    tracers inside `jit`, and those values cannot be checked)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return float(x)
+
+
+def _as_period(period: Any) -> int:
+    if isinstance(period, (bool, np.bool_)):
+        raise TypeError("`period` must be a Python int, not a bool.")
+    try:
+        period = operator.index(period)
+    except TypeError:
+        raise TypeError(
+            f"`period` must be a Python int (it is static configuration, part of "
+            f"the pytree structure), but got {_describe(period)}."
+        ) from None
+    if period < 1:
+        raise ValueError(
+            f"`period` must be at least 1 (the number of finite steps in a row "
+            f"before the scale grows), but got {period}."
+        )
+    return period
+
+
+def _as_factor(factor: Any) -> int | float:
+    if isinstance(factor, (bool, np.bool_)) or not isinstance(
+        factor, (numbers.Real, np.integer, np.floating)
+    ):
+        raise TypeError(
+            f"`factor` must be a Python int or float (it is static configuration, "
+            f"part of the pytree structure), but got {_describe(factor)}."
+        )
+    factor = int(factor) if isinstance(factor, (int, np.integer)) else float(factor)
+    if not (factor > 1 and np.isfinite(factor)):
+        raise ValueError(
+            f"`factor` must be finite and greater than 1 (the scale is multiplied by "
+            f"it to grow and divided by it to back off), but got {factor}."
+        )
+    return factor
+
+
+def _check_positive_finite(x: Array, argname: str) -> None:
+    value = _concrete(x)
+    if value is not None and not (value > 0 and np.isfinite(value)):
+        raise ValueError(f"`{argname}` must be finite and positive, but got {value}.")
+
+
+def _at_least_float32(dtype: Any) -> np.dtype:
+    # Standard promotion on purpose: this is bookkeeping, and a user's strict
+    # promotion setting must not turn it into an error.
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
+
+
+def _scale_tree(tree: PyTree, loss_scale: Float[Array, ""]) -> PyTree:
+    """Multiplies every floating array by `loss_scale`, computing in at least float32
+    and rounding once back to the leaf's dtype (so a float16 leaf times a scale of
+    2**16, which float16 cannot hold, is not `0 * inf = nan`)."""
+
+    def scale(x):
+        if not is_floating_array(x):
+            return x
+        wide = _at_least_float32(x.dtype)
+        return (x.astype(wide) * loss_scale.astype(wide)).astype(x.dtype)
+
+    return jtu.tree_map(scale, tree)
+
+
+def _unscale_tree(tree: PyTree, loss_scale: Float[Array, ""] | None) -> PyTree:
+    """Divides every floating array by `loss_scale` in at least float32, and returns
+    it in that dtype: half-precision leaves come back as float32, so a gradient too
+    small for float16 survives the unscaling. `None` only upcasts."""
+
+    def unscale(x):
+        if not is_floating_array(x):
+            return x
+        wide = _at_least_float32(x.dtype)
+        x = x.astype(wide)
+        if loss_scale is None:
+            return x
+        # A division, not a multiplication by the reciprocal: exact for every scale,
+        # and 1/scale is subnormal (flushed to zero on some backends) past 2**126.
+        return x / loss_scale.astype(wide)
+
+    return jtu.tree_map(unscale, tree)
+
+
+def _check_grads_finite(grads_finite: Any) -> Bool[Array, ""]:
+    if isinstance(grads_finite, (bool, np.bool_)):
+        return jnp.asarray(grads_finite)
+    if not eqx.is_array(grads_finite) or grads_finite.dtype != jnp.bool_:
+        raise TypeError(_GRADS_FINITE_NOT_BOOL.format(_describe(grads_finite)))
+    if grads_finite.shape != ():
+        raise ValueError(_GRADS_FINITE_NOT_BOOL.format(_describe(grads_finite)))
+    return jnp.asarray(grads_finite)
+
+
+#
+# Loss scales.
+#
+
+
+class AbstractLossScale(eqx.Module):
+    """Base class of loss scales: `NoOpLossScale`, `StaticLossScale` and
+    `DynamicLossScale`.
+
+    A loss scale is an immutable pytree. `scale` multiplies the loss (or any pytree)
+    by `loss_scale`, `unscale` divides gradients by it, and `adjust` returns the scale
+    to use for the next step, given whether this step's gradients were finite.
+
+    Subclass it to write your own scale: give it a `loss_scale` (a float32 scalar
+    array) and implement `scale`, `unscale` and `adjust`. Everything in `eqx_amp`
+    that accepts a loss scale accepts any `AbstractLossScale`.
+    """
+
+    loss_scale: AbstractVar[Float[Array, ""]]
+
+    @abc.abstractmethod
+    def scale(self, tree: PyTree) -> PyTree:
+        """Multiplies the floating arrays of `tree` by the loss scale.
+
+        **Arguments:**
+
+        - `tree`: any pytree, usually the loss. Integer, boolean and PRNG-key arrays,
+            Python scalars and non-array leaves are returned unchanged.
+
+        **Returns:**
+
+        A pytree of the same structure and dtypes.
+        """
+
+    @abc.abstractmethod
+    def unscale(self, tree: PyTree) -> PyTree:
+        """Divides the floating arrays of `tree` by the loss scale.
+
+        **Arguments:**
+
+        - `tree`: any pytree, usually gradients. Integer, boolean and PRNG-key
+            arrays, Python scalars, `None` and non-array leaves are returned
+            unchanged.
+
+        **Returns:**
+
+        A pytree of the same structure. Floating arrays narrower than float32
+        (bfloat16, float16, float8) are unscaled in float32 and returned as float32,
+        so unscaling never rounds a gradient to half precision; wider ones keep their
+        dtype.
+        """
+
+    @abc.abstractmethod
+    def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "AbstractLossScale":
+        """The loss scale for the next step.
+
+        **Arguments:**
+
+        - `grads_finite`: a boolean scalar, usually `eqx_amp.all_finite(grads)`.
+
+        **Returns:**
+
+        A new loss scale of the same type. The scale it is called on is unchanged.
+        """
+
+
+class NoOpLossScale(AbstractLossScale):
+    """A loss scale that does not scale: `loss_scale` is 1, and `adjust` returns the
+    same scale. Use it to switch loss scaling off (for bfloat16 or float32 training)
+    without changing the training loop.
+
+    `unscale` still returns half-precision leaves as float32, like the other scales,
+    so the dtypes of gradients do not depend on the kind of scale.
+
+    **Example:**
+
+    ```python
+    loss_scale = eqx_amp.NoOpLossScale()
+    loss_scale.scale(jnp.float32(3.0))  # Array(3., dtype=float32)
+    ```
+    """
+
+    @property
+    def loss_scale(self) -> Float[Array, ""]:
+        return jnp.ones((), jnp.float32)
+
+    def scale(self, tree: PyTree) -> PyTree:
+        return tree
+
+    def unscale(self, tree: PyTree) -> PyTree:
+        return _unscale_tree(tree, None)
+
+    def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "NoOpLossScale":
+        _check_grads_finite(grads_finite)
+        return self
+
+
+class StaticLossScale(AbstractLossScale):
+    """A loss scale that stays the same: the loss is multiplied by `loss_scale` and
+    the gradients are divided by it at every step, and `adjust` returns the same
+    scale.
+
+    **Arguments:**
+
+    - `loss_scale`: a positive, finite number or scalar array, stored as a float32
+        scalar array. Powers of two make scaling and unscaling exact.
+
+    **Example:**
+
+    ```python
+    loss_scale = eqx_amp.StaticLossScale(2.0**10)
+    loss_scale.scale(jnp.float32(3.0))  # Array(3072., dtype=float32)
+    loss_scale.unscale(jnp.float16(3072.0))  # Array(3., dtype=float32)
+    ```
+    """
+
+    loss_scale: Float[Array, ""] = eqx.field(converter=_as_loss_scale)
+
+    def __check_init__(self):
+        _check_positive_finite(self.loss_scale, "loss_scale")
+
+    def scale(self, tree: PyTree) -> PyTree:
+        return _scale_tree(tree, self.loss_scale)
+
+    def unscale(self, tree: PyTree) -> PyTree:
+        return _unscale_tree(tree, self.loss_scale)
+
+    def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "StaticLossScale":
+        _check_grads_finite(grads_finite)
+        return self
+
+
+class DynamicLossScale(AbstractLossScale):
+    """A loss scale that adapts to the gradients, as in `jmp.DynamicLossScale`.
+
+    On a step with finite gradients the counter goes up; after `period` finite steps
+    in a row the scale is multiplied by `factor` (only if the result is finite) and
+    the counter resets. On a step with non-finite gradients the scale is divided by
+    `factor`, never below `min_loss_scale`, and the counter resets. `adjust` is
+    branch-free (`jnp.where`), so it runs inside `jit`, `lax.scan` and
+    `lax.while_loop`.
+
+    Every field is kept by `jit` and by `eqx.tree_serialise_leaves` (`loss_scale`,
+    `counter` and `min_loss_scale` are scalar arrays; `period` and `factor` are
+    static, part of the pytree structure).
+
+    **Arguments:**
+
+    - `loss_scale`: the initial scale, a positive finite number, stored as a float32
+        scalar array. Default `2**15`.
+    - `counter`: finite steps in a row since the scale last changed, stored as an
+        int32 scalar array. Default 0.
+    - `period`: how many finite steps in a row make the scale grow; a Python int,
+        at least 1. Default 2000.
+    - `factor`: what the scale is multiplied by to grow and divided by to back off;
+        a Python int or float greater than 1. Default 2.
+    - `min_loss_scale`: the scale never goes below this; a positive finite number,
+        stored as a float32 scalar array. Default 1.
+
+    **Example:**
+
+    ```python
+    loss_scale = eqx_amp.DynamicLossScale(2.0**15, period=2000)
+    grads = loss_scale.unscale(scaled_grads)
+    grads_finite = eqx_amp.all_finite(grads)
+    loss_scale = loss_scale.adjust(grads_finite)  # halved if grads had inf/nan
+    ```
+    """
+
+    loss_scale: Float[Array, ""] = eqx.field(
+        default=2.0**15, converter=_as_loss_scale
+    )
+    counter: Int[Array, ""] = eqx.field(default=0, converter=_as_counter)
+    period: int = eqx.field(default=2000, static=True, converter=_as_period)
+    factor: int | float = eqx.field(default=2, static=True, converter=_as_factor)
+    min_loss_scale: Float[Array, ""] = eqx.field(
+        default=1.0, converter=_as_min_loss_scale
+    )
+
+    def __check_init__(self):
+        _check_positive_finite(self.loss_scale, "loss_scale")
+        _check_positive_finite(self.min_loss_scale, "min_loss_scale")
+        scale = _concrete(self.loss_scale)
+        minimum = _concrete(self.min_loss_scale)
+        if scale is not None and minimum is not None and scale < minimum:
+            raise ValueError(
+                f"`loss_scale` ({scale}) must be at least `min_loss_scale` "
+                f"({minimum})."
+            )
+        counter = _concrete(self.counter)
+        if counter is not None and not 0 <= counter < self.period:
+            raise ValueError(
+                f"`counter` must be in [0, period) = [0, {self.period}), but got "
+                f"{int(counter)}."
+            )
+
+    def scale(self, tree: PyTree) -> PyTree:
+        return _scale_tree(tree, self.loss_scale)
+
+    def unscale(self, tree: PyTree) -> PyTree:
+        return _unscale_tree(tree, self.loss_scale)
+
+    def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "DynamicLossScale":
+        grads_finite = _check_grads_finite(grads_finite)
+        at_period = self.counter == self.period - 1
+        grown = self.loss_scale * self.factor
+        grown = jnp.where(at_period & jnp.isfinite(grown), grown, self.loss_scale)
+        backed_off = jnp.maximum(self.min_loss_scale, self.loss_scale / self.factor)
+        loss_scale = jnp.where(grads_finite, grown, backed_off)
+        counter = jnp.where(grads_finite, (self.counter + 1) % self.period, 0)
+        # `tree_at`, not the constructor: the new values are not validated again (and
+        # not pulled to the host when not under `jit`).
+        return eqx.tree_at(
+            lambda s: (s.loss_scale, s.counter), self, (loss_scale, counter)
+        )
+
+
+#
+# Working with gradients.
+#
+
+
+@contextlib.contextmanager
+def unbound_axis_name_error(axis_name: Hashable):
+    """Names the argument when a collective is given an axis that is not mapped."""
+    try:
+        yield
+    except NameError as e:
+        raise NameError(
+            f"`axis_name={axis_name!r}` is not the name of an axis mapped here. Call "
+            "this inside `jax.shard_map`, `jax.pmap` or `jax.vmap` with that axis "
+            f"name, or pass `axis_name=None`. (JAX: {e})"
+        ) from None
+
+
+def _inexact_arrays(tree: PyTree) -> list[Array]:
+    return [
+        x
+        for x in jtu.tree_leaves(tree)
+        if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+
+
+def all_finite(tree: PyTree, axis_name: Hashable | None = None) -> Bool[Array, ""]:
+    """Whether every floating (and complex) array in `tree` is free of infs and NaNs.
+
+    **Arguments:**
+
+    - `tree`: any pytree, such as gradients or a whole `eqx.Module`. Integer,
+        boolean and PRNG-key arrays (always finite), `None`, Python scalars and
+        non-array leaves (functions, strings, ...) are ignored.
+    - `axis_name`: the name of a mapped axis (of `jax.shard_map`, `jax.pmap` or
+        `jax.vmap`). If given, the answer is agreed across that axis: `True` on every
+        device only if the arrays are finite on every device.
+
+    **Returns:**
+
+    A boolean scalar array. `True` for a tree with no floating arrays.
+
+    **Example:**
+
+    ```python
+    grads_finite = eqx_amp.all_finite(grads)
+    model = eqx_amp.select_tree(grads_finite, updated_model, model)
+    ```
+    """
+    leaves = _inexact_arrays(tree)
+    if leaves:
+        finite = jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
+    else:
+        finite = jnp.asarray(True)
+    if axis_name is not None:
+        with unbound_axis_name_error(axis_name):
+            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) == 1
+    return finite
+
+
+def _check_pred(pred: Any) -> bool | Bool[Array, ""]:
+    if isinstance(pred, (bool, np.bool_)):
+        return bool(pred)
+    if not eqx.is_array(pred) or pred.dtype != jnp.bool_ or pred.shape != ():
+        raise TypeError(_PRED_NOT_BOOL.format(_describe(pred)))
+    if isinstance(pred, jax.core.Tracer):
+        return pred
+    return bool(pred)
+
+
+def _same_static_leaf(x: Any, y: Any) -> bool:
+    if x is y:
+        return True
+    try:
+        return bool(x == y)
+    except Exception:
+        return False
+
+
+def select_tree(pred: Bool[ArrayLike, ""], a: PyTree, b: PyTree) -> PyTree:
+    """Leafwise `a if pred else b`, for a traced `pred`.
+
+    The usual use is skipping a training step whose gradients are not finite:
+    `select_tree(grads_finite, (new_model, new_opt_state), (model, opt_state))`.
+
+    The choice is made by one `lax.cond` over the whole tree rather than a
+    `lax.select` per leaf, so the compiled step stays small however many
+    parameters the model has (a `select` per leaf lets XLA copy the finiteness
+    reduction into each of them; see `benchmarks/skip_overhead.py`).
+
+    **Arguments:**
+
+    - `pred`: a boolean scalar: a Python bool, or a bool array of shape `()`.
+    - `a`, `b`: pytrees with the same structure (an `eqx.Module` with non-array
+        leaves is fine). Each pair of array leaves must have the same shape and
+        dtype; each pair of non-array leaves (activation functions, Python scalars,
+        ...) must be equal, and is passed through.
+
+    **Returns:**
+
+    A pytree with the structure of `a`: the arrays of `a` where `pred` is true, those
+    of `b` where it is false. If `pred` is concrete (a Python bool, or an array
+    outside `jit`), `a` or `b` itself is returned.
+
+    **Example:**
+
+    ```python
+    (loss, grads), loss_scale, grads_finite = grad_fn(model, x, y, loss_scale=ls)
+    updates, new_opt_state = optim.update(grads, opt_state, model)
+    new_model = eqx.apply_updates(model, updates)
+    model, opt_state = eqx_amp.select_tree(
+        grads_finite, (new_model, new_opt_state), (model, opt_state)
+    )
+    ```
+    """
+    pred = _check_pred(pred)
+    a_leaves, a_def = jtu.tree_flatten(a)
+    b_leaves, b_def = jtu.tree_flatten(b)
+    if a_def != b_def:
+        raise ValueError(_STRUCTURE_MISMATCH.format(a_def, b_def))
+    for i, (x, y) in enumerate(zip(a_leaves, b_leaves)):
+        x_array = eqx.is_array(x)
+        y_array = eqx.is_array(y)
+        if x_array != y_array:
+            raise ValueError(
+                f"Leaf {i} of `a` is {_describe(x)} but leaf {i} of `b` is "
+                f"{_describe(y)}: either both are arrays or both are the same "
+                "non-array value."
+            )
+        if x_array:
+            if x.shape != y.shape or x.dtype != y.dtype:
+                raise ValueError(
+                    f"Leaf {i} of `a` and `b` must have the same shape and dtype, "
+                    f"but `a` has {_describe(x)} and `b` has {_describe(y)}."
+                )
+        elif not _same_static_leaf(x, y):
+            raise ValueError(
+                f"Leaf {i} is not an array, so it must be the same in `a` and `b` "
+                f"(it is passed through), but `a` has {_describe(x)} and `b` has "
+                f"{_describe(y)}."
+            )
+    if isinstance(pred, bool):
+        return a if pred else b
+    a_dynamic, static = eqx.partition(a, eqx.is_array)
+    b_dynamic, _ = eqx.partition(b, eqx.is_array)
+    chosen = jax.lax.cond(pred, lambda x, _: x, lambda _, y: y, a_dynamic, b_dynamic)
+    return eqx.combine(chosen, static)

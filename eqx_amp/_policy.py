@@ -1,0 +1,264 @@
+"""Mixed-precision policies: which dtype parameters, computation and outputs use."""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import PyTree
+
+from ._cast import cast_tree
+
+
+_HALF_WORDS = ("half", "16")
+_FULL_WORDS = ("full", "single", "32")
+_DTYPE_ALIASES = {
+    "f16": "float16",
+    "float16": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "f32": "float32",
+    "float32": "float32",
+    "f64": "float64",
+    "float64": "float64",
+    "double": "float64",
+}
+_KEY_ALIASES = {
+    "p": "params",
+    "params": "params",
+    "c": "compute",
+    "compute": "compute",
+    "o": "output",
+    "output": "output",
+}
+_KERAS_POLICIES = ("mixed_bfloat16", "mixed_float16")
+_ACCEPTED_DTYPE_WORDS = ", ".join(
+    repr(w) for w in (*_HALF_WORDS, *_FULL_WORDS, *_DTYPE_ALIASES)
+)
+_ACCEPTED_KEYS = ", ".join(repr(k) for k in _KEY_ALIASES)
+_GRAMMAR = (
+    "A policy string is either one dtype word (all three dtypes the same), "
+    f"one of {', '.join(repr(k) for k in _KERAS_POLICIES)}, or comma-separated "
+    "`key=dtype` pairs such as 'params=float32,compute=bfloat16,output=float32' "
+    f"(keys: {_ACCEPTED_KEYS}; dtype words: {_ACCEPTED_DTYPE_WORDS}, or any "
+    "floating dtype name JAX knows, such as 'float8_e4m3fn')."
+)
+
+
+def half_dtype() -> np.dtype:
+    """The half-precision dtype this platform computes fastest in.
+
+    bfloat16 on TPUs, CPUs and NVIDIA GPUs with native bfloat16 support (compute
+    capability 8.0 and up); float16 on older GPUs.
+    """
+    device = jax.devices()[0]
+    if device.platform == "gpu" or device.platform in ("cuda", "rocm"):
+        capability = getattr(device, "compute_capability", None)
+        if capability is not None:
+            major = int(str(capability).split(".")[0])
+            if major < 8:
+                return jnp.dtype(jnp.float16)
+    return jnp.dtype(jnp.bfloat16)
+
+
+def _to_floating_dtype(value: Any, argname: str) -> np.dtype:
+    """Normalise every spelling of a dtype (`jnp.bfloat16`, `np.float32`, 'bf16',
+    ...) to one `np.dtype`, so that equal policies compare and hash equal."""
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _HALF_WORDS:
+            return half_dtype()
+        if word in _FULL_WORDS:
+            return jnp.dtype(jnp.float32)
+        value = _DTYPE_ALIASES.get(word, word)
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        raise ValueError(
+            f"`{argname}` got {value!r}, which is not a dtype word. Accepted: a "
+            f"floating dtype such as jnp.bfloat16, or one of {_ACCEPTED_DTYPE_WORDS}."
+        ) from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"`{argname}` must be a real floating dtype (float16, bfloat16, float32, "
+            f"float64, or a float8 type), but got {dtype.name}. Mixed precision only "
+            "changes floating arrays; integer, boolean and complex arrays are never "
+            "cast."
+        )
+    return dtype
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Policy:
+    """The dtypes of a mixed-precision scheme: parameters are stored in
+    `param_dtype`, computation runs in `compute_dtype`, and results are returned in
+    `output_dtype`.
+
+    A `Policy` is an immutable, hashable value (not a pytree), so it can be a static
+    argument of `jax.jit` or a static field of an `eqx.Module`.
+
+    **Arguments:**
+
+    - `param_dtype`, `compute_dtype`, `output_dtype`: floating dtypes, in any
+        spelling (`jnp.bfloat16`, `np.float32`, `"bf16"`, ...).
+
+    **Example:**
+
+    ```python
+    policy = eqx_amp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+    assert policy == eqx_amp.get_policy("p=f32,c=bf16,o=f32")
+    x16 = policy.cast_to_compute(jnp.ones(3))  # bfloat16
+    ```
+    """
+
+    param_dtype: np.dtype
+    compute_dtype: np.dtype
+    output_dtype: np.dtype
+
+    def __init__(self, param_dtype: Any, compute_dtype: Any, output_dtype: Any):
+        object.__setattr__(
+            self, "param_dtype", _to_floating_dtype(param_dtype, "param_dtype")
+        )
+        object.__setattr__(
+            self, "compute_dtype", _to_floating_dtype(compute_dtype, "compute_dtype")
+        )
+        object.__setattr__(
+            self, "output_dtype", _to_floating_dtype(output_dtype, "output_dtype")
+        )
+
+    def cast_to_param(self, tree: PyTree) -> PyTree:
+        """Casts the floating arrays of `tree` to `param_dtype`."""
+        return cast_tree(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: PyTree) -> PyTree:
+        """Casts the floating arrays of `tree` to `compute_dtype`."""
+        return cast_tree(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: PyTree) -> PyTree:
+        """Casts the floating arrays of `tree` to `output_dtype`."""
+        return cast_tree(tree, self.output_dtype)
+
+    def with_param_dtype(self, dtype: Any) -> "Policy":
+        """A copy of this policy with another `param_dtype`."""
+        return Policy(dtype, self.compute_dtype, self.output_dtype)
+
+    def with_compute_dtype(self, dtype: Any) -> "Policy":
+        """A copy of this policy with another `compute_dtype`."""
+        return Policy(self.param_dtype, dtype, self.output_dtype)
+
+    def with_output_dtype(self, dtype: Any) -> "Policy":
+        """A copy of this policy with another `output_dtype`."""
+        return Policy(self.param_dtype, self.compute_dtype, dtype)
+
+    def __str__(self) -> str:
+        return (
+            f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+            f"output={self.output_dtype.name}"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Policy(param_dtype={self.param_dtype.name}, "
+            f"compute_dtype={self.compute_dtype.name}, "
+            f"output_dtype={self.output_dtype.name})"
+        )
+
+
+def get_policy(policy: str | Policy) -> Policy:
+    """Parses a policy string in the grammar of `jmp.get_policy`, plus the Keras
+    names `"mixed_bfloat16"` and `"mixed_float16"`.
+
+    **Arguments:**
+
+    - `policy`: a string such as `"params=float32,compute=bfloat16,output=float32"`
+        (short keys `p`, `c`, `o`; short dtype names `f32`, `bf16`, `f16`, `half`,
+        `full`, ...), a single dtype word (`"bfloat16"`: all three dtypes the same),
+        or a `Policy` (returned unchanged). Missing keys default as in jmp: params
+        float32, compute follows params, output follows compute. `"half"` is the
+        platform's half dtype (see `default_policy`).
+
+    **Returns:**
+
+    A `Policy`. `get_policy(str(p)) == p` for every policy `p`.
+
+    **Raises:**
+
+    `ValueError` naming the part of the string it could not read, and the accepted
+    words.
+
+    **Example:**
+
+    ```python
+    policy = eqx_amp.get_policy("p=f32,c=bf16,o=f32")
+    policy.compute_dtype  # dtype(bfloat16)
+    eqx_amp.get_policy("mixed_float16").compute_dtype  # dtype(float16)
+    ```
+    """
+    if isinstance(policy, Policy):
+        return policy
+    if not isinstance(policy, str):
+        raise TypeError(
+            f"`policy` must be a string or an `eqx_amp.Policy`, not "
+            f"{type(policy).__name__}. {_GRAMMAR}"
+        )
+    text = policy.strip().lower()
+    if text == "mixed_bfloat16":
+        return Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+    if text == "mixed_float16":
+        return Policy(jnp.float32, jnp.float16, jnp.float32)
+    if "=" not in text:
+        dtype = _parse_word(text, policy)
+        return Policy(dtype, dtype, dtype)
+
+    dtypes: dict[str, np.dtype] = {}
+    for part in text.split(","):
+        key, sep, word = (s.strip() for s in part.partition("="))
+        if not sep or not key or not word:
+            raise ValueError(
+                f"Could not read {part.strip()!r} in policy {policy!r}: expected "
+                f"`key=dtype`. {_GRAMMAR}"
+            )
+        if key not in _KEY_ALIASES:
+            raise ValueError(
+                f"Unknown key {key!r} in policy {policy!r}; accepted keys are "
+                f"{_ACCEPTED_KEYS}. {_GRAMMAR}"
+            )
+        canonical = _KEY_ALIASES[key]
+        if canonical in dtypes:
+            raise ValueError(f"Key {key!r} is given twice in policy {policy!r}.")
+        dtypes[canonical] = _parse_word(word, policy)
+    param = dtypes.get("params", jnp.dtype(jnp.float32))
+    compute = dtypes.get("compute", param)
+    output = dtypes.get("output", compute)
+    return Policy(param, compute, output)
+
+
+def _parse_word(word: str, policy: str) -> np.dtype:
+    try:
+        return _to_floating_dtype(word, "policy")
+    except ValueError as e:
+        message = str(e)
+    raise ValueError(f"Could not read {word!r} in policy {policy!r}: {message}")
+
+
+def default_policy() -> Policy:
+    """The policy used wherever `policy=None` is accepted: parameters and outputs
+    in float32, computation in the platform's half dtype (bfloat16 on TPUs, CPUs and
+    GPUs of compute capability 8.0 and up, float16 on older GPUs).
+
+    **Example:**
+
+    ```python
+    eqx_amp.default_policy()
+    # Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32)
+    ```
+    """
+    return Policy(jnp.float32, half_dtype(), jnp.float32)
+
+
+def resolve_policy(policy: "str | Policy | None") -> Policy:
+    """`None` means the default policy; strings are parsed."""
+    if policy is None:
+        return default_policy()
+    return get_policy(policy)

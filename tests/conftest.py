@@ -1,0 +1,14 @@
+import jax
+import jax.random as jr
+import pytest
+
+
+# Silent float16 + float32 upcasts are exactly the bug class a mixed-precision
+# library must not have, so every test runs with strict promotion.
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+@pytest.fixture
+def getkey():
+    keys = iter(jr.split(jr.key(0), 1000))
+    return lambda: next(keys)

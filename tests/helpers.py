@@ -1,0 +1,86 @@
+"""Reading dtypes from traced programs: every assertion about precision in the test
+suite goes through the jaxpr (or the compiled HLO), never through a docstring."""
+
+from collections.abc import Iterator
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+
+
+def _sub_jaxprs(value: Any) -> Iterator[Any]:
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+
+
+def walk_eqns(jaxpr: Any, scope: str = "") -> Iterator[tuple[Any, str]]:
+    """Every equation of `jaxpr` and of all its sub-jaxprs, with the full named scope
+    it runs under (sub-jaxprs only know the scope relative to their parent)."""
+    if hasattr(jaxpr, "jaxpr") and not hasattr(jaxpr, "eqns"):
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        own = str(eqn.source_info.name_stack)
+        full = "/".join(s for s in (scope, own) if s)
+        yield eqn, full
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                yield from walk_eqns(sub, full)
+
+
+def traced(fn, *args, **kwargs):
+    """The jaxpr of `fn`; non-array arguments (modules' activations, ...) are static."""
+    return eqx.filter_make_jaxpr(fn)(*args, **kwargs)[0]
+
+
+def eqns_named(jaxpr, *names: str) -> list[tuple[Any, str]]:
+    return [(e, s) for e, s in walk_eqns(jaxpr) if e.primitive.name in names]
+
+
+def in_dtypes(eqn) -> list[np.dtype]:
+    return [v.aval.dtype for v in eqn.invars if hasattr(v.aval, "dtype")]
+
+
+def out_dtypes(eqn) -> list[np.dtype]:
+    return [v.aval.dtype for v in eqn.outvars]
+
+
+MATMULS = ("dot_general", "conv_general_dilated")
+REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax")
+
+
+def assert_matmuls_in(jaxpr, dtype, at_least: int = 1) -> None:
+    found = eqns_named(jaxpr, *MATMULS)
+    assert len(found) >= at_least, f"expected matmuls, found {len(found)}"
+    for eqn, scope in found:
+        assert in_dtypes(eqn) == [np.dtype(dtype)] * len(eqn.invars), (
+            f"{eqn.primitive} under {scope!r} has inputs {in_dtypes(eqn)}"
+        )
+
+
+def assert_scope_in_float32(jaxpr, scope_name: str, at_least: int = 1) -> None:
+    """Every reduction and rsqrt under `scope_name` reads and writes float32."""
+    found = [
+        (e, s)
+        for e, s in walk_eqns(jaxpr)
+        if scope_name in s and e.primitive.name in (*REDUCTIONS, "rsqrt")
+    ]
+    assert len(found) >= at_least, f"no reductions found under {scope_name!r}"
+    for eqn, scope in found:
+        dtypes = in_dtypes(eqn) + out_dtypes(eqn)
+        assert all(d == np.float32 for d in dtypes if np.issubdtype(d, np.floating)), (
+            f"{eqn.primitive} under {scope!r} runs in {dtypes}"
+        )
+
+
+def float_dtypes(tree) -> set[np.dtype]:
+    return {
+        leaf.dtype
+        for leaf in jax.tree_util.tree_leaves(tree)
+        if hasattr(leaf, "dtype") and np.issubdtype(leaf.dtype, np.floating)
+    }

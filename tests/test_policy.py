@@ -1,0 +1,132 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import eqx_amp
+from eqx_amp._policy import half_dtype
+
+
+F32, BF16, F16 = jnp.dtype("float32"), jnp.dtype("bfloat16"), jnp.dtype("float16")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
+        ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
+        ("p=f32,c=f16,o=f32", (F32, F16, F32)),
+        ("P = F32 , C = BF16", (F32, BF16, BF16)),
+        ("c=bf16", (F32, BF16, BF16)),
+        ("c=float16,o=full", (F32, F16, F32)),
+        ("p=bf16", (BF16, BF16, BF16)),
+        ("o=f16", (F32, F32, F16)),
+        ("float32", (F32, F32, F32)),
+        ("full", (F32, F32, F32)),
+        ("bfloat16", (BF16, BF16, BF16)),
+        ("float16", (F16, F16, F16)),
+        ("f64", (np.dtype("float64"),) * 3),
+        ("mixed_bfloat16", (F32, BF16, F32)),
+        ("mixed_float16", (F32, F16, F32)),
+        ("c=float8_e4m3fn", (F32, jnp.dtype("float8_e4m3fn"), jnp.dtype("float8_e4m3fn"))),
+    ],
+)
+def test_get_policy_grammar(text, expected):
+    policy = eqx_amp.get_policy(text)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == expected
+
+
+def test_half_is_platform_half():
+    assert jax.devices()[0].platform == "cpu"
+    assert half_dtype() == BF16
+    assert eqx_amp.get_policy("half") == eqx_amp.Policy(BF16, BF16, BF16)
+    assert eqx_amp.get_policy("c=half").compute_dtype == BF16
+
+
+def test_default_policy():
+    policy = eqx_amp.default_policy()
+    assert policy == eqx_amp.Policy(jnp.float32, half_dtype(), jnp.float32)
+    assert str(policy) == "params=float32,compute=bfloat16,output=float32"
+
+
+def test_spellings_compare_and_hash_equal():
+    spellings = [
+        eqx_amp.Policy(jnp.float32, jnp.bfloat16, jnp.float32),
+        eqx_amp.Policy(np.float32, jnp.dtype(jnp.bfloat16), np.dtype("float32")),
+        eqx_amp.Policy("f32", "bf16", "full"),
+        eqx_amp.get_policy("mixed_bfloat16"),
+    ]
+    assert len(set(spellings)) == 1
+    assert len({hash(p) for p in spellings}) == 1
+
+
+def test_policy_is_static_value_not_pytree():
+    policy = eqx_amp.default_policy()
+    assert jax.tree_util.tree_leaves(policy) == [policy]
+    f = jax.jit(lambda x, policy: policy.cast_to_compute(x), static_argnums=1)
+    assert f(jnp.ones(2), policy).dtype == BF16
+    with pytest.raises(AttributeError):
+        policy.compute_dtype = F16  # type: ignore[misc]
+
+
+_dtype = st.sampled_from([F32, BF16, F16, np.dtype("float64")])
+
+
+@given(_dtype, _dtype, _dtype)
+def test_str_round_trips(p, c, o):
+    policy = eqx_amp.Policy(p, c, o)
+    assert eqx_amp.get_policy(str(policy)) == policy
+
+
+def test_with_methods_and_casts():
+    policy = eqx_amp.get_policy("mixed_float16")
+    assert policy.with_compute_dtype("bf16").compute_dtype == BF16
+    assert policy.with_param_dtype(jnp.float16).param_dtype == F16
+    assert policy.with_output_dtype("f16").output_dtype == F16
+    assert policy.compute_dtype == F16  # unchanged
+    tree = {"w": jnp.ones(2), "n": jnp.arange(2), "s": 1.0}
+    assert policy.cast_to_compute(tree)["w"].dtype == F16
+    assert policy.cast_to_compute(tree)["n"].dtype == jnp.int32
+    assert policy.cast_to_compute(tree)["s"] == 1.0
+    assert policy.cast_to_output(policy.cast_to_compute(tree))["w"].dtype == F32
+    assert policy.cast_to_param({"w": jnp.ones(2, F16)})["w"].dtype == F32
+    assert repr(policy) == (
+        "Policy(param_dtype=float32, compute_dtype=float16, output_dtype=float32)"
+    )
+
+
+def test_get_policy_passes_policies_through():
+    policy = eqx_amp.default_policy()
+    assert eqx_amp.get_policy(policy) is policy
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("c=int8", r"Could not read 'int8'.*real floating dtype.*int8"),
+        ("q=f32", r"Unknown key 'q'.*accepted keys are 'p', 'params'"),
+        ("bfloat17", r"Could not read 'bfloat17'.*not a dtype word.*'bf16'"),
+        ("compute", r"Could not read 'compute'"),
+        ("c=", r"Could not read 'c='.*expected `key=dtype`"),
+        ("p=f32,,c=bf16", r"Could not read ''.*expected `key=dtype`"),
+        ("p=f32,p=bf16", r"Key 'p' is given twice"),
+        ("c=complex64", r"real floating dtype.*complex64"),
+        ("", r"Could not read ''"),
+    ],
+)
+def test_get_policy_errors(text, match):
+    with pytest.raises(ValueError, match=match):
+        eqx_amp.get_policy(text)
+
+
+def test_get_policy_wrong_type():
+    with pytest.raises(TypeError, match=r"`policy` must be a string or an `eqx_amp.Policy`"):
+        eqx_amp.get_policy(jnp.bfloat16)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [jnp.int32, "bool", np.complex64, "nonsense"])
+def test_policy_rejects_non_floating_compute_dtype(bad):
+    with pytest.raises(ValueError, match=r"`compute_dtype`"):
+        eqx_amp.Policy(jnp.float32, bad, jnp.float32)
