@@ -208,7 +208,7 @@ def get_policy(policy: str | Policy) -> Policy:
     if text == "mixed_float16":
         return Policy(jnp.float32, jnp.float16, jnp.float32)
     if "=" not in text:
-        dtype = _parse_word(text, policy)
+        dtype = _parse_word(text, policy, what="policy")
         return Policy(dtype, dtype, dtype)
 
     dtypes: dict[str, np.dtype] = {}
@@ -227,19 +227,29 @@ def get_policy(policy: str | Policy) -> Policy:
         canonical = _KEY_ALIASES[key]
         if canonical in dtypes:
             raise ValueError(f"Key {key!r} is given twice in policy {policy!r}.")
-        dtypes[canonical] = _parse_word(word, policy)
+        dtypes[canonical] = _parse_word(word, policy, what="dtype")
     param = dtypes.get("params", jnp.dtype(jnp.float32))
     compute = dtypes.get("compute", param)
     output = dtypes.get("output", compute)
     return Policy(param, compute, output)
 
 
-def _parse_word(word: str, policy: str) -> np.dtype:
+def _parse_word(word: str, policy: str, what: str) -> np.dtype:
     try:
         return _to_floating_dtype(word, "policy")
-    except ValueError as e:
-        message = str(e)
-    raise ValueError(f"Could not read {word!r} in policy {policy!r}: {message}")
+    except ValueError:
+        pass
+    try:
+        dtype = jnp.dtype(_DTYPE_ALIASES.get(word, word))
+    except TypeError:
+        if what == "policy":
+            raise ValueError(f"Unknown policy {policy!r}. {_GRAMMAR}") from None
+        raise ValueError(f"Unknown dtype {word!r} in policy {policy!r}. {_GRAMMAR}") from None
+    raise ValueError(
+        f"{word!r} in policy {policy!r} is {dtype.name}, not a real floating dtype: "
+        "mixed precision only changes floating arrays. Use float16, bfloat16, "
+        "float32, float64 or a float8 type."
+    )
 
 
 def default_policy() -> Policy:

@@ -105,15 +105,17 @@ def test_get_policy_passes_policies_through():
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("c=int8", r"Could not read 'int8'.*real floating dtype.*int8"),
+        ("c=int8", r"'int8' in policy 'c=int8' is int8, not a real floating dtype"),
         ("q=f32", r"Unknown key 'q'.*accepted keys are 'p', 'params'"),
-        ("bfloat17", r"Could not read 'bfloat17'.*not a dtype word.*'bf16'"),
-        ("compute", r"Could not read 'compute'"),
+        ("bfloat17", r"Unknown policy 'bfloat17'.*'mixed_bfloat16'.*'bf16'"),
+        ("mixed_bf16", r"Unknown policy 'mixed_bf16'.*`key=dtype` pairs"),
+        ("compute", r"Unknown policy 'compute'"),
+        ("c=bfloat17", r"Unknown dtype 'bfloat17' in policy 'c=bfloat17'.*keys: 'p'"),
         ("c=", r"Could not read 'c='.*expected `key=dtype`"),
         ("p=f32,,c=bf16", r"Could not read ''.*expected `key=dtype`"),
         ("p=f32,p=bf16", r"Key 'p' is given twice"),
-        ("c=complex64", r"real floating dtype.*complex64"),
-        ("", r"Could not read ''"),
+        ("c=complex64", r"is complex64, not a real floating dtype"),
+        ("", r"Unknown policy ''"),
     ],
 )
 def test_get_policy_errors(text, match):
