@@ -1,5 +1,12 @@
 """Automatic mixed precision for JAX, native to Equinox."""
 
+from ._autocast._autocast import autocast as autocast
+from ._autocast._rules import DEFAULT_RULES as DEFAULT_RULES
+from ._autocast._rules import FULL as FULL
+from ._autocast._rules import KEEP as KEEP
+from ._autocast._rules import LOW as LOW
+from ._autocast._rules import PROMOTE as PROMOTE
+from ._bimodel import BiModel as BiModel
 from ._cast import cast_tree as cast_tree
 from ._filter_amp import filter_amp as filter_amp
 from ._filter_amp import full_precision as full_precision

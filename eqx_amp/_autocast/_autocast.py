@@ -1,0 +1,94 @@
+"""`autocast`: op-level mixed precision for any JAX function."""
+
+import functools as ft
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import equinox as eqx
+
+from .._policy import Policy, resolve_policy
+from ._interpreter import Context, interpret_call
+from ._rules import RuleTable
+
+
+_F = TypeVar("_F", bound=Callable)
+_sentinel: Any = object()
+
+
+def _call(fn, args, kwargs):
+    return fn(*args, **kwargs)
+
+
+class _AutocastWrapper(eqx.Module):
+    fn: Callable
+    policy: Policy = eqx.field(static=True)
+    rules: RuleTable = eqx.field(static=True)
+
+    @property
+    def __wrapped__(self):
+        return self.fn
+
+    def __call__(self, *args, **kwargs):
+        context = Context(self.rules, self.policy.compute_dtype)
+        return interpret_call(_call, (self.fn, args, kwargs), context)
+
+    def __get__(self, instance, owner):
+        del owner
+        if instance is None:
+            return self
+        return eqx.Partial(self, instance)
+
+
+def autocast(
+    fn: _F = _sentinel,
+    *,
+    policy: Policy | str | None = None,
+    rules: Mapping[Any, Any] | None = None,
+) -> _F:
+    """Runs `fn` with op-level mixed precision, like `torch.autocast`.
+
+    `fn` is traced to a jaxpr, which is re-evaluated op by op: each primitive's
+    floating inputs are cast by its rule (matmuls and convolutions to the compute
+    dtype, numerically touchy ops to float32, elementwise ops to their widest input
+    dtype; see `DEFAULT_RULES`), and everything else runs on the dtypes that reach
+    it. The interpreter recurses into every higher-order primitive (`jit`,
+    `custom_jvp`, `custom_vjp`, `scan`, `while`, `cond`, `checkpoint`, `shard_map`),
+    so nothing in a real model escapes it. Loop carries keep their dtypes, explicit
+    casts (`x.astype(jnp.float32)`) are honoured, custom derivative rules stay in
+    use, and the outputs have the dtypes `fn` returns without autocast.
+
+    **Arguments:**
+
+    - `fn`: any callable: a function, an `eqx.Module`, a bound method.
+    - `policy`: a `Policy` or policy string whose compute dtype the `LOW` ops use;
+        `None` means `default_policy()`.
+    - `rules`: a mapping from JAX primitives (`jax.lax.exp_p`) or `jax.named_scope`
+        names to `LOW`, `FULL`, `PROMOTE`, `KEEP` or a callable
+        `rule(compute_dtype, original_dtypes, *invals, **params) -> (invals, params)`
+        (jaxamp's signature), merged over `DEFAULT_RULES`. The innermost matching
+        named scope wins over primitive rules; ops no rule covers are not cast.
+
+    **Returns:**
+
+    A callable with `fn`'s signature, itself an `eqx.Module`: it works under
+    `jax.jit`, `eqx.filter_jit`, `jax.grad`, `eqx.filter_value_and_grad` and
+    `jax.vmap`.
+
+    **Example:**
+
+    ```python
+    model = eqx.nn.MLP(784, 10, 256, 2, key=jax.random.key(0))
+    forward = eqx_amp.autocast(eqx.filter_vmap(model), rules={"attention": eqx_amp.FULL})
+    logits = forward(images)          # matmuls in bf16, float32 logits
+    loss, grads = eqx.filter_value_and_grad(eqx_amp.autocast(loss_fn))(model, x, y)
+    ```
+    """
+    if fn is _sentinel:
+        return ft.partial(autocast, policy=policy, rules=rules)
+    if not callable(fn):
+        raise TypeError(
+            f"`autocast` takes a callable (a function or an `eqx.Module`), but got "
+            f"{type(fn).__name__}."
+        )
+    wrapper = _AutocastWrapper(fn, resolve_policy(policy), RuleTable(rules))
+    return eqx.module_update_wrapper(wrapper)
