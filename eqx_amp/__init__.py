@@ -23,6 +23,10 @@ from ._loss_scale import select_tree as select_tree
 from ._policy import Policy as Policy
 from ._policy import default_policy as default_policy
 from ._policy import get_policy as get_policy
+from ._report import NonfiniteOp as NonfiniteOp
+from ._report import PrecisionReport as PrecisionReport
+from ._report import find_nonfinite as find_nonfinite
+from ._report import precision_report as precision_report
 
 
 __version__ = "0.1.0"

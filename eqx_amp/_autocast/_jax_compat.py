@@ -126,3 +126,21 @@ def shard_map_params(params: dict) -> dict:
         "axis_names": frozenset(axis_names),
         "check_vma": check,
     }
+
+
+UNKNOWN_SOURCE = "<unknown>"
+
+
+def source_line(eqn: Any) -> str:
+    """`file.py:line (function)` of the user frame an equation was traced from. JAX
+    records it on every equation but exposes no public reader."""
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return UNKNOWN_SOURCE
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def concrete_bind(eqn: Any, invals: list) -> list:
+    """Binds an equation's primitive eagerly, as `jax.core.eval_jaxpr` would."""
+    out = eqn.primitive.bind(*invals, **bind_params(eqn))
+    return list(out) if eqn.primitive.multiple_results else [out]

@@ -1,0 +1,141 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax import lax
+
+import eqx_amp
+
+from .models import CNN, TransformerBlock
+
+
+class _ExpHead(eqx.Module):
+    """A layer with an exp that overflows float16 for large inputs."""
+
+    linear: eqx.nn.Linear
+
+    def __call__(self, x):
+        with jax.named_scope("ExpHead"):
+            return jnp.exp(self.linear(x))
+
+
+def test_report_of_plain_filter_amp_and_autocast(getkey):
+    model = TransformerBlock(16, 4, key=getkey())
+    x = jr.normal(getkey(), (6, 16))
+
+    plain = eqx_amp.precision_report(model, x)
+    assert plain.low_precision_share == 0.0
+    assert plain.casts == 0
+    assert set(plain.ops["dot_general"]) == {("float32", "float32")}
+
+    boundary = eqx_amp.precision_report(eqx_amp.filter_amp(model), x)
+    assert boundary.low_precision_share == 1.0
+    assert boundary.ops["dot_general"] == {("bfloat16", "bfloat16"): 8}
+    assert boundary.casts > 0
+    layer_norm_sites = [s for s in boundary.full_precision_ops if s.scope.endswith("LayerNorm")]
+    assert any(s.primitive == "rsqrt" and "_normalisation.py" in s.source
+               for s in layer_norm_sites)
+
+    op_level = eqx_amp.precision_report(eqx_amp.autocast(model), x)
+    assert op_level.low_precision_share == 1.0
+    assert op_level.matmul_flops == plain.matmul_flops > 0
+    exps = [s for s in op_level.full_precision_ops if s.primitive == "exp"]
+    assert exps and all("MultiheadAttention" in s.scope for s in exps)
+    # Every site names a real source line (ops inside library jits borrow the line
+    # that called the library).
+    assert all(s.source != "<unknown>" for s in op_level.full_precision_ops)
+
+    text = str(op_level)
+    assert "matmul/conv FLOPs in low precision: 100.0%" in text
+    assert "full-precision ops" in text and "dot_general" in text
+
+
+def test_flops_scan_and_conv(getkey):
+    w = jr.normal(getkey(), (4, 4))
+
+    def rnn(h):
+        return lax.scan(lambda h, _: (jnp.tanh(w @ h), None), h, None, length=5)[0]
+
+    report = eqx_amp.precision_report(eqx_amp.autocast(rnn), jnp.ones(4))
+    assert report.matmul_flops == 2 * 4 * 4 * 5
+    assert report.low_precision_share == 1.0
+
+    cnn = CNN(key=getkey())
+    report = eqx_amp.precision_report(cnn, jnp.ones((1, 8, 8)))
+    conv_flops = 2 * (8 * 8 * 8) * (1 * 3 * 3) + 2 * (8 * 8 * 8) * (8 * 3 * 3)
+    assert report.matmul_flops == conv_flops + 2 * 10 * 8
+    assert report.low_precision_share == 0.0
+
+
+def test_report_accepts_shape_dtype_structs(getkey):
+    model = eqx.nn.Linear(3, 2, key=getkey())
+    report = eqx_amp.precision_report(
+        eqx_amp.filter_amp(model), jax.ShapeDtypeStruct((3,), jnp.float32)
+    )
+    assert report.low_precision_share == 1.0
+
+
+def test_find_nonfinite_names_a_float16_overflow(getkey):
+    head = _ExpHead(eqx.nn.Linear(4, 4, key=getkey()))
+    x = jnp.full((4,), 40.0)
+    assert eqx_amp.find_nonfinite(head, x) is None  # fine in float32
+    bad = eqx_amp.find_nonfinite(eqx_amp.filter_amp(head, policy="mixed_float16"), x)
+    assert bad is not None
+    assert bad.primitive == "exp"
+    assert bad.scope == "ExpHead"
+    assert "test_report.py" in bad.source and "__call__" in bad.source
+    assert bad.input_dtypes == ("float16",)
+    low, high = bad.input_ranges[0]
+    assert high > np.log(65504) and low < high
+    assert bad.output_dtype == "float16" and bad.dtype_max == 65504.0
+    assert "exp overflowed float16 (max 65504)" in bad.hint
+    assert "full_precision" in bad.hint
+    assert "first non-finite value: `exp` in scope 'ExpHead'" in str(bad)
+    # The fix the hint suggests works.
+    fixed = _ExpHead(head.linear)
+    fixed_fn = eqx_amp.autocast(fixed, policy="mixed_float16")
+    assert eqx_amp.find_nonfinite(fixed_fn, x) is None
+
+
+def test_find_nonfinite_matmul_overflow_in_a_layer(getkey):
+    model = eqx.nn.MLP(8, 2, 8, 1, key=getkey())
+    x = jnp.full((8,), 30000.0)  # finite in float16; 8 of them summed is not
+    bad = eqx_amp.find_nonfinite(eqx_amp.filter_amp(model, policy="mixed_float16"), x)
+    assert bad.primitive == "dot_general"
+    assert bad.scope == "eqx.nn.MLP/eqx.nn.Linear"
+
+
+def test_find_nonfinite_domain_error_inside_scan_and_in_gradients():
+    def fn(x):
+        def step(c, _):
+            return c - 1.0, jnp.log(c)
+
+        return lax.scan(step, x, None, length=4)[1]
+
+    bad = eqx_amp.find_nonfinite(fn, jnp.float32(2.0))  # log(0) on the third step
+    assert bad.primitive == "log" and "outside its domain" in bad.hint
+    assert bad.input_ranges == ((0.0, 0.0),)
+
+    grad = jax.grad(lambda x: jnp.sum(jnp.sqrt(x)))
+    bad = eqx_amp.find_nonfinite(grad, jnp.array([0.0, 1.0]))  # forward finite
+    assert bad is not None
+    assert bad.primitive in ("div", "rsqrt", "mul", "pow", "integer_pow")
+
+
+def test_find_nonfinite_bad_inputs(getkey):
+    with pytest.raises(ValueError, match=r"argument at \[0\]\[0\] already holds inf or nan"):
+        eqx_amp.find_nonfinite(jnp.exp, jnp.array([jnp.nan]))
+
+    @jax.jit
+    def inside(x):
+        eqx_amp.find_nonfinite(jnp.exp, x)
+        return x
+
+    with pytest.raises(ValueError, match=r"needs concrete arrays"):
+        inside(jnp.ones(2))
+    with pytest.raises(TypeError, match=r"Expected a callable to inspect"):
+        eqx_amp.find_nonfinite(3, jnp.ones(2))
+    with pytest.raises(TypeError, match=r"Expected a callable to inspect"):
+        eqx_amp.precision_report("model", jnp.ones(2))
