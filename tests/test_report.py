@@ -101,7 +101,8 @@ def test_find_nonfinite_names_a_float16_overflow(getkey):
 
 def test_find_nonfinite_matmul_overflow_in_a_layer(getkey):
     model = eqx.nn.MLP(8, 2, 8, 1, key=getkey())
-    x = jnp.full((8,), 30000.0)  # finite in float16; 8 of them summed is not
+    model = eqx.tree_at(lambda m: m.layers[0].weight, model, jnp.full((8, 8), 0.5))
+    x = jnp.full((8,), 30000.0)  # finite in float16; the weighted sum, 120000, is not
     bad = eqx_amp.find_nonfinite(eqx_amp.filter_amp(model, policy="mixed_float16"), x)
     assert bad.primitive == "dot_general"
     assert bad.scope == "eqx.nn.MLP/eqx.nn.Linear"
