@@ -40,7 +40,9 @@ class Block(eqx.Module):
         self.norm1 = eqx.nn.LayerNorm(width)
         self.attention = eqx.nn.MultiheadAttention(heads, width, key=k1)
         self.norm2 = eqx.nn.LayerNorm(width)
-        self.mlp = eqx.nn.MLP(width, width, 4 * width, 1, activation=jax.nn.gelu, key=k2)
+        self.mlp = eqx.nn.MLP(
+            width, width, 4 * width, 1, activation=jax.nn.gelu, key=k2
+        )
 
     def __call__(self, x):  # x: (seq, width)
         y = jax.vmap(self.norm1)(x)
@@ -100,7 +102,9 @@ def make_steps(
 ) -> tuple[dict[str, Callable], optax.GradientTransformation]:
     """The training steps, each `(model, opt_state, loss_scale, x, y) -> same`, and
     the `apply_if_finite` optimizer (whose state the last step needs)."""
-    guarded = _standard_promotion(optax.apply_if_finite(optim, max_consecutive_errors=10))
+    guarded = _standard_promotion(
+        optax.apply_if_finite(optim, max_consecutive_errors=10)
+    )
     optim = _standard_promotion(optim)
 
     def no_skip(model, opt_state, loss_scale, x, y):
@@ -162,7 +166,9 @@ def instruction_counts(
     counts = {}
     for name in names:
         opt_state = (guarded if name == "apply_if_finite" else optim).init(params)
-        counts[name] = count_instructions(steps[name], model, opt_state, loss_scale, x, y)
+        counts[name] = count_instructions(
+            steps[name], model, opt_state, loss_scale, x, y
+        )
     return counts
 
 

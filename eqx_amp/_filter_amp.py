@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._cast import cast_leaf, cast_tree, is_floating_array, widest_floating_dtype
+from ._cast import cast_leaf, is_floating_array, widest_floating_dtype
 from ._filters import STATE_TYPES, FilterSpec, default_filter_spec, selection_mask
 from ._policy import Policy, resolve_policy
 

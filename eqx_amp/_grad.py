@@ -159,7 +159,7 @@ def _redo_until_finite(attempt: Callable, loss_scale: AbstractLossScale, redo: i
         jtu.tree_map(_placeholder, out_dynamic_struct),
         jnp.asarray(False),
     )
-    _, scale_dynamic, out_dynamic, grads_finite = jax.lax.while_loop(cond, body, init)
+    _, scale_dynamic, out_dynamic, _ = jax.lax.while_loop(cond, body, init)
     out = eqx.combine(out_dynamic, out_static)
     return out, eqx.combine(scale_dynamic, scale_static)
 

@@ -266,6 +266,13 @@ def _all_finite(values: list) -> bool:
 
 
 def _hint(name: str, out_dtype: np.dtype) -> str:
+    if name == "convert_element_type" and _is_low(out_dtype):
+        return (
+            f"a value too large for {out_dtype.name} (max "
+            f"{float(jnp.finfo(out_dtype).max):.6g}) was cast down to it, at a call "
+            "boundary or an explicit astype: keep it in float32 from where it is made "
+            "(compute with its logarithm, return it in float32), or use bfloat16."
+        )
     if _is_low(out_dtype):
         return (
             f"{name} overflowed {out_dtype.name} (max {float(jnp.finfo(out_dtype).max):.6g}): "

@@ -166,7 +166,7 @@ def test_gru_in_scan_keeps_its_carry_dtype(getkey):
     assert in_dtypes(scan_eqn)[num_consts] == F32  # the carry
     assert out_dtypes(scan_eqn)[0] == F32
     assert_matmuls_in(jaxpr, BF16, at_least=2)
-    (h, hs), (ref_h, ref_hs) = amp(cell, xs), rnn(cell, xs)
+    (h, hs), (_, ref_hs) = amp(cell, xs), rnn(cell, xs)
     assert h.dtype == hs.dtype == F32
     assert _rel_error(hs, ref_hs) < 3e-2
     loss = lambda f: lambda c: jnp.sum(f(c, xs)[1] ** 2)  # noqa: E731

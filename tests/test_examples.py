@@ -11,22 +11,54 @@ import pytest
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_quickstart():
-    pytest.importorskip("sklearn")
+def _run_example(name: str, *args: str) -> str:
     # The checkout's `eqx_amp` comes first, installed or not.
     pythonpath = [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in pythonpath if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in pythonpath if p),
+        "JAX_PLATFORMS": "cpu",
+    }
     result = subprocess.run(
-        [sys.executable, "examples/quickstart.py", "--epochs", "1", "--batch-size", "64"],
+        [sys.executable, str(REPO_ROOT / "examples" / name), *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_quickstart():
+    pytest.importorskip("sklearn")
+    out = _run_example("quickstart.py", "--epochs", "1", "--batch-size", "64")
     assert "fp32 test accuracy:" in out
     assert "amp test accuracy:" in out
     assert "variant  | test accuracy | final train loss | compiled step memory" in out
     assert "amp/fp32:" in out
+
+
+def test_data_parallel():
+    pytest.importorskip("sklearn")
+    out = _run_example(
+        "data_parallel.py", "--steps", "12", "--period", "5", "--inject-nan", "4"
+    )
+    table = {
+        cells[0].strip(): cells[1].strip()
+        for line in out.splitlines()
+        if line.startswith("| ") and len(cells := line[2:].split(" | ")) == 2
+    }
+    assert table["devices"] == "8 x cpu"
+    assert table["skipped steps"].startswith("1 at [4]")
+    assert table["params finite"] == "True"
+
+
+def test_debug_overflow_finds_and_fixes_the_overflow():
+    out = _run_example("debug_overflow.py")
+    assert "float16 loss: inf" in out
+    assert "first non-finite value: `exp` in scope 'GaussianHead'" in out
+    assert "first non-finite value: `convert_element_type`" in out
+    assert "Fix 1" in out and "find_nonfinite: None" in out
+    assert "exp runs in ('float32',) under 'GaussianHead'" in out

@@ -76,28 +76,28 @@ def test_abstract_base():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(period=0), ValueError, "`period`"),
-        (dict(period=-3), ValueError, "`period`"),
-        (dict(period=2.5), TypeError, "`period`"),
-        (dict(period=True), TypeError, "`period`"),
-        (dict(factor=1), ValueError, "`factor`"),
-        (dict(factor=0.5), ValueError, "`factor`"),
-        (dict(factor=float("inf")), ValueError, "`factor`"),
-        (dict(factor="2"), TypeError, "`factor`"),
-        (dict(factor=jnp.asarray(2.0)), TypeError, "`factor`"),
-        (dict(min_loss_scale=0.0), ValueError, "`min_loss_scale`"),
-        (dict(min_loss_scale=-1.0), ValueError, "`min_loss_scale`"),
-        (dict(loss_scale=0.0), ValueError, "`loss_scale`"),
-        (dict(loss_scale=-2.0), ValueError, "`loss_scale`"),
-        (dict(loss_scale=float("inf")), ValueError, "`loss_scale`"),
-        (dict(loss_scale=float("nan")), ValueError, "`loss_scale`"),
-        (dict(loss_scale=jnp.ones(2)), ValueError, "`loss_scale`"),
-        (dict(loss_scale="big"), TypeError, "`loss_scale`"),
-        (dict(loss_scale=True), TypeError, "`loss_scale`"),
-        (dict(loss_scale=0.5, min_loss_scale=1.0), ValueError, "`min_loss_scale`"),
-        (dict(counter=-1), ValueError, "`counter`"),
-        (dict(counter=5, period=5), ValueError, "`counter`"),
-        (dict(counter=np.ones(3)), ValueError, "`counter`"),
+        ({"period": 0}, ValueError, "`period`"),
+        ({"period": -3}, ValueError, "`period`"),
+        ({"period": 2.5}, TypeError, "`period`"),
+        ({"period": True}, TypeError, "`period`"),
+        ({"factor": 1}, ValueError, "`factor`"),
+        ({"factor": 0.5}, ValueError, "`factor`"),
+        ({"factor": float("inf")}, ValueError, "`factor`"),
+        ({"factor": "2"}, TypeError, "`factor`"),
+        ({"factor": jnp.asarray(2.0)}, TypeError, "`factor`"),
+        ({"min_loss_scale": 0.0}, ValueError, "`min_loss_scale`"),
+        ({"min_loss_scale": -1.0}, ValueError, "`min_loss_scale`"),
+        ({"loss_scale": 0.0}, ValueError, "`loss_scale`"),
+        ({"loss_scale": -2.0}, ValueError, "`loss_scale`"),
+        ({"loss_scale": float("inf")}, ValueError, "`loss_scale`"),
+        ({"loss_scale": float("nan")}, ValueError, "`loss_scale`"),
+        ({"loss_scale": jnp.ones(2)}, ValueError, "`loss_scale`"),
+        ({"loss_scale": "big"}, TypeError, "`loss_scale`"),
+        ({"loss_scale": True}, TypeError, "`loss_scale`"),
+        ({"loss_scale": 0.5, "min_loss_scale": 1.0}, ValueError, "`min_loss_scale`"),
+        ({"counter": -1}, ValueError, "`counter`"),
+        ({"counter": 5, "period": 5}, ValueError, "`counter`"),
+        ({"counter": np.ones(3)}, ValueError, "`counter`"),
     ],
 )
 def test_dynamic_bad_arguments(kwargs, error, match):
@@ -107,8 +107,13 @@ def test_dynamic_bad_arguments(kwargs, error, match):
 
 @pytest.mark.parametrize(
     "value, error",
-    [(0.0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
-     (jnp.ones(3), ValueError), (None, TypeError)],
+    [
+        (0.0, ValueError),
+        (-1.0, ValueError),
+        (float("nan"), ValueError),
+        (jnp.ones(3), ValueError),
+        (None, TypeError),
+    ],
 )
 def test_static_bad_arguments(value, error):
     with pytest.raises(error, match="`loss_scale`"):
@@ -134,7 +139,9 @@ def test_constructed_from_tracers_under_jit():
 
 
 def test_every_field_survives_jit():
-    scale = eqx_amp.DynamicLossScale(8.0, counter=3, period=5, factor=3, min_loss_scale=2.0)
+    scale = eqx_amp.DynamicLossScale(
+        8.0, counter=3, period=5, factor=3, min_loss_scale=2.0
+    )
     out = jax.jit(lambda s: s)(scale)
     assert _fields(out) == (8.0, 3, 5, 3, 2.0)
     # jmp's hand-written flatten drops `min_loss_scale` under jit, so a non-finite
@@ -170,7 +177,9 @@ def test_while_loop_carry():
 @pytest.mark.parametrize(
     "scale",
     [
-        eqx_amp.DynamicLossScale(3.0 * 2.0**20, counter=7, period=11, min_loss_scale=0.25),
+        eqx_amp.DynamicLossScale(
+            3.0 * 2.0**20, counter=7, period=11, min_loss_scale=0.25
+        ),
         eqx_amp.StaticLossScale(12345.678),
         eqx_amp.NoOpLossScale(),
     ],
@@ -183,7 +192,9 @@ def test_serialise_round_trip(scale, tmp_path):
     like = jax.tree_util.tree_map(jnp.zeros_like, scale)
     loaded = eqx.tree_deserialise_leaves(buffer, like)
     assert bool(eqx.tree_equal(loaded, scale))
-    for a, b in zip(jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(scale)):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(scale)
+    ):
         assert a.dtype == b.dtype
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
@@ -258,7 +269,7 @@ def test_unscale_half_in_float32(half):
     # scaled it is representable, and unscaled in float32 it survives.
     scaled = (jnp.float32(1e-8) * 2.0**15).astype(half)
     assert float(scaled) > 0
-    assert float((scaled / jnp.asarray(2.0**15, half))) == 0.0 or half == BF16
+    assert float(scaled / jnp.asarray(2.0**15, half)) == 0.0 or half == BF16
     out = scale.unscale({"w": scaled, "n": jnp.int32(3), "none": None})
     assert out["w"].dtype == F32
     assert float(out["w"]) == pytest.approx(1e-8, rel=1e-2)
@@ -314,7 +325,9 @@ def test_adjust_growth_period():
 
 
 def test_adjust_back_off_resets_counter_and_respects_minimum():
-    scale = eqx_amp.DynamicLossScale(8.0, counter=2, period=3, factor=4, min_loss_scale=1.0)
+    scale = eqx_amp.DynamicLossScale(
+        8.0, counter=2, period=3, factor=4, min_loss_scale=1.0
+    )
     scale = scale.adjust(False)
     assert (float(scale.loss_scale), int(scale.counter)) == (2.0, 0)
     scale = scale.adjust(False)
@@ -374,7 +387,9 @@ def _reference(loss_scale, counter, period, factor, min_loss_scale, flags):
                     scale = grown
             counter = (counter + 1) % period
         else:
-            scale = max(np.float32(min_loss_scale), np.float32(scale / np.float32(factor)))
+            scale = max(
+                np.float32(min_loss_scale), np.float32(scale / np.float32(factor))
+            )
             counter = 0
         history.append((float(scale), counter))
     return history

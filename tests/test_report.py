@@ -140,3 +140,17 @@ def test_find_nonfinite_bad_inputs(getkey):
         eqx_amp.find_nonfinite(3, jnp.ones(2))
     with pytest.raises(TypeError, match=r"Expected a callable to inspect"):
         eqx_amp.precision_report("model", jnp.ones(2))
+
+
+def test_find_nonfinite_names_a_down_cast_at_a_kept_boundary(getkey):
+    head = _ExpHead(eqx.nn.Linear(4, 4, key=getkey()))
+    model = eqx.nn.Sequential([eqx.nn.Linear(4, 4, key=getkey()), eqx.nn.Lambda(head)])
+    amp = eqx_amp.filter_amp(
+        model, policy="mixed_float16", filter_spec=eqx_amp.keep(model, _ExpHead)
+    )
+    bad = eqx_amp.find_nonfinite(amp, jnp.full((4,), 40.0))
+    assert bad.primitive == "convert_element_type"
+    assert bad.input_dtypes == ("float32",) and bad.output_dtype == "float16"
+    assert "was cast down to it, at a call boundary" in bad.hint
+    # The line is the user's call, not eqx_amp's cast.
+    assert "eqx_amp" not in bad.source

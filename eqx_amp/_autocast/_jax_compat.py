@@ -6,6 +6,7 @@ nowhere else.
 """
 
 import contextlib
+import os
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,6 +16,12 @@ import jax.extend as jex
 import numpy as np
 from jax._src import source_info_util  # no public API re-enters an eqn's source info
 
+
+# Source lines of traced ops name the user's code, not eqx_amp's casts and wrappers
+# (Equinox registers its own files the same way).
+source_info_util.register_exclusion(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
 
 Literal = jex.core.Literal
 Jaxpr = jex.core.Jaxpr

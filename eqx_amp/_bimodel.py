@@ -1,0 +1,387 @@
+"""Master and compute weights: `BiModel`.
+
+A `BiModel` keeps a model twice, the way Apex's O2 and Optimisers.jl's
+`MixedPrecision` do: the master weights in the parameter dtype (float32), which the
+optimiser updates, and a copy in the compute dtype (float16, bfloat16), which the
+forward and backward passes read. Gradients are taken with respect to the compute
+copy, so the gradient tree the backward pass builds is in half precision: half the
+bytes of a float32 one. The half copy lives between steps, so each step casts the
+weights once (in `apply_updates`) instead of at every call.
+
+Storage: `master` is the whole model. The compute copy is stored only where it
+differs from the master, in a tree with the master's structure holding the
+compute-dtype arrays and `None` everywhere else; leaves the filter spec keeps
+(normalisation layers, by default) are held once, in `master`. `.compute` rebuilds
+the whole model from the two.
+"""
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import equinox as eqx
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from ._cast import is_floating_array
+from ._filter_amp import _AmpWrapper, _cast_values
+from ._filters import FilterSpec, default_filter_spec, selection_mask
+from ._grad import filter_grad, filter_value_and_grad
+from ._policy import Policy, resolve_policy
+
+
+_NESTED_BIMODEL = (
+    "`model` is already a `BiModel`. Pass `bimodel.master` to build a new one with "
+    "another policy or filter spec."
+)
+_UPDATES_MISMATCH = (
+    "`updates` must have the structure of `bimodel.master` (the same containers, "
+    "module types and static fields), with `None` allowed in place of any subtree, "
+    "as `optimizer.update(grads, opt_state, eqx.filter(bimodel.master, "
+    "eqx.is_inexact_array))` returns it. The structure of `updates` does not match: "
+    "{}"
+)
+_UPDATE_FOR_NON_FLOAT = (
+    "`updates` has {} where `bimodel.master` has {}, which is not a floating array "
+    "and is never updated. Put `None` there (as `eqx.filter(..., "
+    "eqx.is_inexact_array)` and `eqx.filter_grad` do)."
+)
+_BAD_UPDATE = (
+    "`updates` must hold floating arrays (or `None`), one per floating array of "
+    "`bimodel.master`, with the same shape; it has {} where the master has an "
+    "array of dtype {} and shape {}."
+)
+_COMPUTE_MISMATCH = (
+    "`compute` must have the structure of `bimodel.compute` (the structure of "
+    "`bimodel.master`: the same containers, module types and static fields), but "
+    "it does not."
+)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _describe(x: Any) -> str:
+    if eqx.is_array(x) or isinstance(x, np.ndarray):
+        return f"an array of dtype {x.dtype} and shape {tuple(x.shape)}"
+    return f"{type(x).__name__} {x!r}"
+
+
+class BiModel(eqx.Module):
+    """A model held twice: float32 master weights for the optimiser, and a
+    half-precision compute copy for the forward and backward passes.
+
+    Calling a `BiModel` runs the compute copy with the semantics of
+    `eqx_amp.filter_amp`: floating arguments are cast to the compute dtype,
+    submodules whose leaves the filter spec keeps (normalisation layers, by default)
+    run in the parameter dtype with casts at their own boundary, `eqx.nn.State` is
+    never cast, and floating outputs are cast to the output dtype. The compute copy
+    is already cast, so the call casts no weights.
+
+    Gradients are taken with respect to the compute copy (`value_and_grad`, `grad`,
+    or any transform applied through `with_compute`), so the backward pass builds a
+    half-precision gradient tree. The intended training step:
+
+    1. `bimodel.value_and_grad(loss_fn)(x, y, loss_scale=ls)`: gradients with
+        respect to the compute copy, computed in half precision and unscaled to
+        float32 by the loss scale;
+    2. `optimizer.update(grads, opt_state, eqx.filter(bimodel.master,
+        eqx.is_inexact_array))`: float32 updates against the float32 master;
+    3. `bimodel.apply_updates(updates)`: adds them to the master and casts the new
+        master to the compute copy;
+    4. `eqx_amp.select_tree(grads_finite, ...)` to skip a step whose gradients are
+        not finite (or `optax.apply_if_finite`).
+
+    Invariant: `bimodel.compute` equals the master cast to the compute dtype (the
+    spec-selected leaves), bit for bit, after every step.
+
+    A `BiModel` is an `eqx.Module`, so a pytree: it passes through `eqx.filter_jit`,
+    `eqx.filter_shard` / `jax.device_put`, `eqx_amp.select_tree` and
+    `eqx.tree_serialise_leaves` like any model. Leaves the spec keeps are stored
+    once.
+
+    **Arguments:**
+
+    - `model`: the model (any pytree, usually an `eqx.Module`). Its floating arrays
+        (other than those of `eqx.nn.State` / `eqx.nn.StateIndex`) are cast to the
+        policy's parameter dtype to make the master.
+    - `policy`: a `Policy` or a policy string; `None` means `default_policy()`.
+    - `filter_spec`: which floating leaves get a compute-dtype copy, as
+        `eqx.partition` accepts; `None` means `default_filter_spec(model)`.
+
+    **Attributes:**
+
+    - `master`: the model in the parameter dtype.
+    - `compute`: the whole model (the structure of `master`), with the
+        spec-selected leaves in the compute dtype and the kept leaves shared with
+        `master`.
+    - `policy`: the resolved `Policy`.
+
+    **Example:**
+
+    ```python
+    bimodel = eqx_amp.BiModel(model, policy="mixed_float16")
+    optimizer = optax.adam(1e-3)
+    opt_state = optimizer.init(eqx.filter(bimodel.master, eqx.is_inexact_array))
+
+    def loss_fn(model, x, y):  # `model` is the BiModel: call it like the model
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    @eqx.filter_jit
+    def step(bimodel, opt_state, loss_scale, x, y):
+        (loss, grads), loss_scale, grads_finite = bimodel.value_and_grad(loss_fn)(
+            x, y, loss_scale=loss_scale
+        )
+        params = eqx.filter(bimodel.master, eqx.is_inexact_array)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_bimodel = bimodel.apply_updates(updates)
+        bimodel, opt_state = eqx_amp.select_tree(
+            grads_finite, (new_bimodel, new_opt_state), (bimodel, opt_state)
+        )
+        return bimodel, opt_state, loss_scale, loss
+    ```
+    """
+
+    master: PyTree
+    # The compute-dtype arrays, in the structure of `master`, with `None` wherever
+    # the compute copy is the master's own leaf (kept by the spec, not floating, or
+    # already in the compute dtype): those leaves are stored once.
+    _compute_only: PyTree
+    policy: Policy = eqx.field(static=True)
+    # The resolved filter spec, one bool per leaf of `master`. Part of the pytree
+    # structure, so two `BiModel`s with different specs never mix under `jit`.
+    _selected: tuple[bool, ...] = eqx.field(static=True, repr=False)
+
+    def __init__(
+        self,
+        model: PyTree,
+        *,
+        policy: Policy | str | None = None,
+        filter_spec: FilterSpec | None = None,
+    ):
+        if isinstance(model, BiModel):
+            raise TypeError(_NESTED_BIMODEL)
+        policy = resolve_policy(policy)
+        spec = default_filter_spec(model) if filter_spec is None else filter_spec
+        mask = selection_mask(model, spec)
+        master = _cast_values(model, lambda _: policy.param_dtype)
+        compute = policy.compute_dtype
+
+        def compute_only(selected, leaf):
+            if selected and is_floating_array(leaf) and leaf.dtype != compute:
+                return leaf.astype(compute)
+            return None
+
+        self.master = master
+        self._compute_only = jtu.tree_map(compute_only, mask, master)
+        self.policy = policy
+        self._selected = tuple(bool(s) for s in jtu.tree_leaves(mask))
+
+    @property
+    def compute(self) -> PyTree:
+        """The whole model with the spec-selected floating leaves in the compute
+        dtype: the structure of `master`, sharing its kept leaves."""
+        return eqx.combine(self._compute_only, self.master)
+
+    @property
+    def filter_spec(self) -> PyTree[bool]:
+        """The resolved filter spec: a tree of bools with the structure of
+        `master`, `True` where a leaf is selected for the compute dtype."""
+        return jtu.tree_unflatten(jtu.tree_structure(self.master), self._selected)
+
+    def __call__(self, *args, **kwargs):
+        """Runs the compute copy with `filter_amp` semantics (see the class
+        docstring)."""
+        if not callable(self.master):
+            raise TypeError(
+                f"This `BiModel` holds a {type(self.master).__name__}, which is not "
+                "callable. Call its compute copy yourself: `bimodel.compute`."
+            )
+        # The selected leaves are already in the compute dtype, so `_AmpWrapper`
+        # casts no weights: it adds the kept submodules' boundaries and casts the
+        # arguments and outputs.
+        return _AmpWrapper(self.compute, self.policy, self.filter_spec)(*args, **kwargs)
+
+    def with_compute(self, compute: PyTree) -> "BiModel":
+        """This `BiModel` with its compute copy replaced by `compute`.
+
+        It exists to differentiate with respect to the compute copy with any
+        transform: `eqx.filter_grad(lambda c: loss_fn(bimodel.with_compute(c), x))(
+        bimodel.compute)` gives gradients in the compute dtype for the cast leaves
+        (and in the parameter dtype for the kept ones). `compute` should be
+        `bimodel.compute` or a stand-in for it with the same dtypes (a tracer, under
+        differentiation); the kept leaves of the result come from `compute`, the
+        master's own copies of the cast leaves are left as they are.
+
+        **Arguments:**
+
+        - `compute`: a pytree with the structure of `bimodel.compute`.
+
+        **Returns:**
+
+        A `BiModel` whose `compute` is `compute`.
+        """
+        if jtu.tree_structure(compute) != jtu.tree_structure(self.master):
+            raise ValueError(_COMPUTE_MISMATCH)
+
+        def master_leaf(compute_only, c, m):
+            return m if compute_only is not None else c
+
+        def compute_leaf(compute_only, c):
+            return None if compute_only is None else c
+
+        master = jtu.tree_map(
+            master_leaf, self._compute_only, compute, self.master, is_leaf=_is_none
+        )
+        compute_only = jtu.tree_map(
+            compute_leaf, self._compute_only, compute, is_leaf=_is_none
+        )
+        return self._replace(master, compute_only)
+
+    def apply_updates(self, updates: PyTree) -> "BiModel":
+        """Adds float32 updates to the master weights and refreshes the compute copy.
+
+        **Arguments:**
+
+        - `updates`: a pytree with the structure of `master` (as
+            `optimizer.update(grads, opt_state, eqx.filter(bimodel.master,
+            eqx.is_inexact_array))` returns it), with `None` where there is nothing
+            to update. Each update is added in the dtype of its master leaf (an
+            update in another floating dtype is cast to it first).
+
+        **Returns:**
+
+        A new `BiModel`; this one is unchanged. Its compute copy is the new master
+        cast to the compute dtype, so the invariant holds bit for bit.
+
+        **Raises:**
+
+        `ValueError` naming `updates`, if its structure does not match `master`, if
+        it has an update for a leaf that is not a floating array, or if an update
+        is not a floating array of the master leaf's shape.
+        """
+        update_leaves, update_def = jtu.tree_flatten(updates, is_leaf=_is_none)
+        try:
+            master_parts = update_def.flatten_up_to(self.master)
+        except (ValueError, TypeError) as e:
+            raise ValueError(_UPDATES_MISMATCH.format(e)) from None
+        for update, leaf in zip(update_leaves, master_parts):
+            _check_update(update, leaf)
+
+        def add(update, leaf):
+            if update is None:
+                return leaf
+            return leaf + update.astype(leaf.dtype)
+
+        master = jtu.tree_map(add, updates, self.master, is_leaf=_is_none)
+
+        def refresh(compute_only, leaf):
+            return None if compute_only is None else leaf.astype(compute_only.dtype)
+
+        compute_only = jtu.tree_map(
+            refresh, self._compute_only, master, is_leaf=_is_none
+        )
+        return self._replace(master, compute_only)
+
+    def value_and_grad(
+        self,
+        fun: Callable,
+        *,
+        has_aux: bool = False,
+        redo_on_nan: int = 0,
+        axis_name: Hashable | None = None,
+    ) -> Callable:
+        """`eqx_amp.filter_value_and_grad` with respect to the compute copy.
+
+        **Arguments:**
+
+        - `fun`: a loss `fun(model, *args, **kwargs)`; `model` is this `BiModel`
+            (call it like the original model). Gradients flow through its compute
+            copy.
+        - `has_aux`, `redo_on_nan`, `axis_name`: as for
+            `eqx_amp.filter_value_and_grad`.
+
+        **Returns:**
+
+        A function `g(*args, loss_scale, **kwargs)` (the model is bound) returning
+        `((value, grads), new_loss_scale, grads_finite)`. `grads` has the structure
+        of `master` (`None` for non-floating leaves). The backward pass computes the
+        gradients of the cast leaves in the compute dtype; the loss scale unscales
+        them into float32, ready for an optax update against the master.
+
+        **Example:**
+
+        ```python
+        (loss, grads), loss_scale, grads_finite = bimodel.value_and_grad(
+            loss_fn, redo_on_nan=2
+        )(x, y, loss_scale=loss_scale)
+        ```
+        """
+        transform = filter_value_and_grad(
+            _OnCompute(fun, self),
+            has_aux=has_aux,
+            redo_on_nan=redo_on_nan,
+            axis_name=axis_name,
+        )
+        return eqx.Partial(transform, self.compute)
+
+    def grad(
+        self,
+        fun: Callable,
+        *,
+        has_aux: bool = False,
+        redo_on_nan: int = 0,
+        axis_name: Hashable | None = None,
+    ) -> Callable:
+        """`eqx_amp.filter_grad` with respect to the compute copy: `value_and_grad`
+        without the value. The returned `g(*args, loss_scale, **kwargs)` gives
+        `(grads, new_loss_scale, grads_finite)` (`((grads, aux), ...)` with
+        `has_aux=True`)."""
+        transform = filter_grad(
+            _OnCompute(fun, self),
+            has_aux=has_aux,
+            redo_on_nan=redo_on_nan,
+            axis_name=axis_name,
+        )
+        return eqx.Partial(transform, self.compute)
+
+    def _replace(self, master: PyTree, compute_only: PyTree) -> "BiModel":
+        # Not through `__init__`: the parts are already in their dtypes, and
+        # `__init__` would resolve the spec against the model again.
+        new = object.__new__(BiModel)
+        object.__setattr__(new, "master", master)
+        object.__setattr__(new, "_compute_only", compute_only)
+        object.__setattr__(new, "policy", self.policy)
+        object.__setattr__(new, "_selected", self._selected)
+        return new
+
+
+def _check_update(update: Any, leaf: Any) -> None:
+    if update is None:
+        return
+    if not is_floating_array(leaf):
+        raise ValueError(
+            _UPDATE_FOR_NON_FLOAT.format(_describe(update), _describe(leaf))
+        ) from None
+    if not is_floating_array(update) or update.shape != leaf.shape:
+        raise ValueError(
+            _BAD_UPDATE.format(_describe(update), leaf.dtype, tuple(leaf.shape))
+        ) from None
+
+
+class _OnCompute(eqx.Module):
+    """`fun` as a function of the compute copy: `fun(bimodel.with_compute(c), ...)`.
+    The `BiModel` is a field, so its master is a constant of the differentiated
+    function, not an argument."""
+
+    fun: Callable
+    bimodel: BiModel
+
+    @property
+    def __wrapped__(self):
+        return self.fun
+
+    def __call__(self, compute, *args, **kwargs):
+        return self.fun(self.bimodel.with_compute(compute), *args, **kwargs)
+
