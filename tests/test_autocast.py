@@ -97,9 +97,14 @@ def test_norm_layers_run_in_float32(norm, scope, getkey):
     x = jr.normal(getkey(), (16,))
     jaxpr = traced(amp, x)
     assert _ops_in(jaxpr, "dot_general") == [[F16, F16]]
-    # Everything under the norm's scope, not only the listed ops, reads float32.
-    under_scope = [e for e, s in walk_eqns(jaxpr) if scope in s]
-    assert under_scope
+    # All arithmetic under the norm's scope, not only the listed ops, reads float32
+    # (the casts into it, and the `jit`s around parts of it, read float16).
+    under_scope = [
+        e
+        for e, s in walk_eqns(jaxpr)
+        if scope in s and e.primitive.name not in ("convert_element_type", "jit")
+    ]
+    assert len(under_scope) > 5
     for eqn in under_scope:
         assert all(d == F32 for d in in_dtypes(eqn) if jnp.issubdtype(d, jnp.floating))
     assert _rel_error(amp(x), fn(x)) < 2e-2
@@ -533,3 +538,65 @@ def test_random_programs(program, seed):
     low = jax.jit(eqx_amp.autocast(program))(x, y)
     assert low.dtype == expected.dtype
     np.testing.assert_allclose(low, expected, rtol=0.1, atol=0.1)
+
+
+#
+# Parameters are weakly typed: they follow the activations they meet.
+#
+
+
+def test_activations_flow_in_low_precision_between_layers(getkey):
+    mlp = eqx.nn.MLP(8, 4, 16, 2, key=getkey())
+    jaxpr = traced(eqx_amp.autocast(mlp), jr.normal(getkey(), (8,)))
+    # Bias adds and relus run on bfloat16 activations (parameters cast down to
+    # meet them), as in a hand-cast model; only the output is cast back up.
+    for name in ("add", "max", "custom_jvp_call"):
+        found = _ops_in(jaxpr, name)
+        assert found and all(d == BF16 for dtypes in found for d in dtypes), (name, found)
+    last_convert = [e for e, _ in walk_eqns(jaxpr) if e.primitive.name == "convert_element_type"][-1]
+    assert last_convert.params["new_dtype"] == F32
+
+
+def test_data_is_strong_parameters_and_constants_are_weak(getkey):
+    w = jr.normal(getkey(), (4, 4))
+    linear = eqx.nn.Linear(4, 4, key=getkey())
+    x = jr.normal(getkey(), (4,))
+
+    # A data input meeting a bfloat16 activation: the wider data dtype wins.
+    residual = traced(eqx_amp.autocast(lambda x: x @ w + x), x)
+    assert _ops_in(residual, "add") == [[F32, F32]]
+    # A closed-over constant meeting it: the constant follows the activation.
+    constant = traced(eqx_amp.autocast(lambda x: x @ w + w[0]), x)
+    assert _ops_in(constant, "add") == [[BF16, BF16]]
+    # Module leaves are parameters, whether the module is `fn` or an argument.
+    for amp, args in (
+        (eqx_amp.autocast(linear), (x,)),
+        (eqx_amp.autocast(lambda m, x: m(x)), (linear, x)),
+    ):
+        assert _ops_in(traced(amp, *args), "add") == [[BF16, BF16]]
+    # Parameters meeting parameters keep their own dtype.
+    params_only = traced(eqx_amp.autocast(lambda m: m.weight + m.bias), linear)
+    assert _ops_in(params_only, "add") == [[F32, F32]]
+
+
+def test_custom_jvp_with_symbolic_zeros_runs_at_its_traced_dtypes(getkey):
+    @jax.custom_jvp
+    def square(x):
+        return x * x
+
+    def square_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        t = jnp.zeros_like(x) if isinstance(t, jax.custom_derivatives.SymbolicZero) else t
+        return square(x), 2 * x * t
+
+    square.defjvp(square_jvp, symbolic_zeros=True)
+    w = jr.normal(getkey(), (3, 3))
+
+    def fn(x):
+        return jnp.sum(square(x @ w))
+
+    x = jr.normal(getkey(), (3,))
+    amp = eqx_amp.autocast(fn)
+    (call, _), = eqns_named(traced(amp, x), "custom_jvp_call")
+    assert in_dtypes(call) == [F32]
+    assert _rel_error(jax.grad(amp)(x), jax.grad(fn)(x)) < 3e-2

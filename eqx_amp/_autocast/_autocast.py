@@ -30,7 +30,9 @@ class _AutocastWrapper(eqx.Module):
 
     def __call__(self, *args, **kwargs):
         context = Context(self.rules, self.policy.compute_dtype)
-        return interpret_call(_call, (self.fn, args, kwargs), context)
+        return interpret_call(
+            _call, (self.fn, args, kwargs), context, modules_are_weak=True
+        )
 
     def __get__(self, instance, owner):
         del owner

@@ -32,7 +32,7 @@ from jax import lax
 
 from .._cast import is_floating_array
 from . import _jax_compat as compat
-from ._rules import RuleTable
+from ._rules import BuiltinRule, RuleTable, promotion_dtypes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,36 +59,67 @@ def _dtypes(atoms: Sequence[Any]) -> list[np.dtype]:
     return [a.aval.dtype for a in atoms]
 
 
-def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: Context) -> list:
+def eval_jaxpr(
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    ctx: Context,
+    weak: Sequence[bool] | None = None,
+) -> tuple[list, list[bool]]:
+    """Evaluates `jaxpr` under the rules. `weak` marks the arguments that are
+    parameters (weakly typed: they follow the activations they meet); constants and
+    literals are weak too. Returns the outputs and which of them are weak."""
     env: dict[Any, Any] = {}
+    weak_env: dict[Any, bool] = {}
 
     def read(atom):
         return atom.val if isinstance(atom, compat.Literal) else env[atom]
 
+    def is_weak(atom):
+        return isinstance(atom, compat.Literal) or weak_env[atom]
+
     env.update(zip(jaxpr.constvars, consts))
+    weak_env.update((v, True) for v in jaxpr.constvars)
     env.update(zip(jaxpr.invars, args))
+    weak_env.update(zip(jaxpr.invars, weak if weak is not None else [False] * len(args)))
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
+        in_weak = [is_weak(v) for v in eqn.invars]
         eqn_ctx = ctx.inside(compat.scope_names(eqn))
         with compat.equation_context(eqn):
-            outvals = _eval_equation(eqn, invals, eqn_ctx)
-        if not eqn.primitive.multiple_results:
-            outvals = [outvals]
+            outvals, out_weak = _eval_equation(eqn, invals, in_weak, eqn_ctx)
         env.update(zip(eqn.outvars, outvals))
-    return [read(v) for v in jaxpr.outvars]
+        weak_env.update(zip(eqn.outvars, out_weak))
+    return [read(v) for v in jaxpr.outvars], [is_weak(v) for v in jaxpr.outvars]
 
 
-def eval_closed(closed: Any, args: Sequence[Any], ctx: Context) -> list:
+def eval_closed(
+    closed: Any, args: Sequence[Any], ctx: Context, weak: Sequence[bool] | None = None
+) -> tuple[list, list[bool]]:
     jaxpr, consts = compat.open_jaxpr(closed)
-    return eval_jaxpr(jaxpr, consts, args, ctx)
+    return eval_jaxpr(jaxpr, consts, args, ctx, weak)
 
 
-def interpret_call(fn: Callable, args: Sequence[Any], ctx: Context) -> Any:
+def _module_leaves(tree: Any) -> list[bool]:
+    """For each array leaf of `tree`, whether it belongs to an `eqx.Module`: the
+    parameters, as opposed to the data."""
+    flags = []
+    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
+    for node in jtu.tree_leaves(tree, is_leaf=is_module):
+        flags += [is_module(node)] * len(jtu.tree_leaves(node))
+    return flags
+
+
+def interpret_call(
+    fn: Callable, args: Sequence[Any], ctx: Context, *, modules_are_weak: bool = False
+) -> Any:
     """Traces `fn(*args)` and re-evaluates it under the rules. Non-array arguments
     and outputs pass through statically; array outputs come back in the dtypes `fn`
-    returns without autocast."""
+    returns without autocast. With `modules_are_weak`, the arrays of Equinox modules
+    among `args` are treated as parameters."""
     dynamic, static = eqx.partition(list(args), eqx.is_array)
     leaves, treedef = jtu.tree_flatten(dynamic)
+    weak = _module_leaves(dynamic) if modules_are_weak else None
     static_out = []
 
     def flat_fn(*leaves):
@@ -99,7 +130,7 @@ def interpret_call(fn: Callable, args: Sequence[Any], ctx: Context) -> Any:
 
     closed, out_shapes = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
     flat_shapes, out_treedef = jtu.tree_flatten(out_shapes)
-    outs = eval_closed(closed, leaves, ctx)
+    outs, _ = eval_closed(closed, leaves, ctx, weak)
     outs = cast_to(outs, [s.dtype for s in flat_shapes])
     return eqx.combine(jtu.tree_unflatten(out_treedef, outs), static_out[0])
 
@@ -109,45 +140,53 @@ def interpret_call(fn: Callable, args: Sequence[Any], ctx: Context) -> Any:
 #
 
 
-def _eval_equation(eqn: Any, invals: list, ctx: Context) -> Any:
+def _eval_equation(eqn: Any, invals: list, in_weak: list[bool], ctx: Context):
     handler = _HIGHER_ORDER.get(eqn.primitive.name)
     if handler is not None:
-        return handler(eqn, invals, ctx)
+        outs, out_weak = handler(eqn, invals, in_weak, ctx)
+        return list(outs), list(out_weak)
     if compat.has_sub_jaxprs(eqn.params) and "update_jaxpr" not in eqn.params:
         _warn_unknown_higher_order(eqn.primitive.name)
         invals = cast_to(invals, _dtypes(eqn.invars))
-        return eqn.primitive.bind(*invals, **compat.bind_params(eqn))
+        outs = eqn.primitive.bind(*invals, **compat.bind_params(eqn))
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        return list(outs), [False] * len(outs)
 
     original = _dtypes(eqn.invars)
     rule = ctx.rules.lookup(eqn.primitive, ctx.scopes)
     params = dict(eqn.params)
-    if rule is not None:
+    if rule is None:
+        invals = _agree_if_they_did(invals, original, in_weak)
+    elif isinstance(rule, BuiltinRule):
+        invals = rule.cast(ctx.compute_dtype, original, invals, in_weak)
+    else:
         invals, params = rule(ctx.compute_dtype, original, *invals, **params)
         invals = list(invals)
-    else:
-        invals = _agree_if_they_did(invals, original)
     params = _fix_dtype_params(eqn, invals, params)
-    return eqn.primitive.bind(*invals, **params)
+    outs = eqn.primitive.bind(*invals, **params)
+    outs = outs if eqn.primitive.multiple_results else [outs]
+    # Anything computed from data is data: only ops on parameters and constants
+    # alone give weak results.
+    return list(outs), [all(in_weak)] * len(outs)
 
 
 def _floating_positions(values: Sequence[Any]) -> list[int]:
     return [i for i, v in enumerate(values) if is_floating_array(v)]
 
 
-def _agree_if_they_did(invals: list, original: list[np.dtype]) -> list:
+def _agree_if_they_did(invals: list, original: list[np.dtype], weak: list[bool]) -> list:
     """An op no rule covers runs on the dtypes that reach it, but where its floating
     operands had one dtype in the original program (as lax requires of most
     multi-operand ops), they are promoted to agree again."""
     positions = _floating_positions(invals)
     if len(positions) < 2 or len({original[i] for i in positions}) != 1:
         return invals
-    current = {invals[i].dtype for i in positions}
-    if len(current) == 1:
+    if len({invals[i].dtype for i in positions}) == 1:
         return invals
     with jax.numpy_dtype_promotion("standard"):
-        widest = jnp.result_type(*current)
+        target = jnp.result_type(*promotion_dtypes(invals, weak))
     return [
-        lax.convert_element_type(v, widest) if i in positions else v
+        lax.convert_element_type(v, target) if i in positions else v
         for i, v in enumerate(invals)
     ]
 
@@ -168,7 +207,7 @@ def _fix_dtype_params(eqn: Any, invals: list, params: dict) -> dict:
         # for explicitly (bf16 x bf16 -> f32, say) is honoured.
         if original_widest is not None and jnp.dtype(preferred) == original_widest:
             params = dict(params, preferred_element_type=widest)
-    if "update_jaxpr" in params and floating_in:
+    if "update_jaxpr" in params:
         params = compat.retype_update_jaxpr(params, invals[0].dtype)
     return params
 
@@ -184,62 +223,86 @@ def _warn_unknown_higher_order(name: str) -> None:
 
 
 #
-# Higher-order primitives.
+# Higher-order primitives. Each takes the equation, its inputs and which of them
+# are weak, and returns its outputs and which of those are weak.
 #
 
 
-def _call_inline(eqn, invals, ctx):
+def _strong(values: Sequence[Any]) -> list[bool]:
+    return [False] * len(values)
+
+
+def _call_inline(eqn, invals, in_weak, ctx):
     jaxpr = eqn.params.get("call_jaxpr", eqn.params.get("jaxpr"))
-    return eval_closed(jaxpr, invals, ctx)
+    return eval_closed(jaxpr, invals, ctx, in_weak)
 
 
-def _jit(eqn, invals, ctx):
-    closed = eqn.params["jaxpr"]
+def _traced_body(jaxpr, ctx, in_weak):
+    """A body for a public transformation (`jax.jit`, `jax.checkpoint`,
+    `jax.shard_map`) that evaluates `jaxpr` under the rules and records which
+    outputs are weak (plain bools, known at trace time)."""
+    out_weak: list[bool] = []
 
     def body(*args):
-        return eval_closed(closed, args, ctx)
+        outs, weak = eval_closed(jaxpr, args, ctx, in_weak)
+        out_weak[:] = weak
+        return outs
 
+    return body, out_weak
+
+
+def _jit(eqn, invals, in_weak, ctx):
+    body, out_weak = _traced_body(eqn.params["jaxpr"], ctx, in_weak)
     body.__name__ = eqn.params.get("name", "jit")
     jitted = jax.jit(
         body,
         inline=eqn.params.get("inline", False),
         keep_unused=eqn.params.get("keep_unused", False),
     )
-    return jitted(*invals)
+    return jitted(*invals), out_weak
 
 
-def _checkpoint(eqn, invals, ctx):
-    jaxpr = eqn.params["jaxpr"]
-
-    def body(*args):
-        return eval_closed(jaxpr, args, ctx)
-
-    return jax.checkpoint(
+def _checkpoint(eqn, invals, in_weak, ctx):
+    body, out_weak = _traced_body(eqn.params["jaxpr"], ctx, in_weak)
+    outs = jax.checkpoint(
         body,
         prevent_cse=eqn.params.get("prevent_cse", True),
         policy=eqn.params.get("policy"),
     )(*invals)
+    return outs, out_weak
 
 
-def _scan(eqn, invals, ctx):
+def _shard_map(eqn, invals, in_weak, ctx):
+    body, out_weak = _traced_body(eqn.params["jaxpr"], ctx, in_weak)
+    outs = jax.shard_map(
+        lambda *args: tuple(body(*args)), **compat.shard_map_params(eqn.params)
+    )(*invals)
+    return list(outs), out_weak
+
+
+def _scan(eqn, invals, in_weak, ctx):
     p = compat.scan_params(eqn.params)
     num_consts, num_carry = p["num_consts"], p["num_carry"]
     consts = invals[:num_consts]
     carry_dtypes = _dtypes(eqn.invars[num_consts : num_consts + num_carry])
     init = cast_to(invals[num_consts : num_consts + num_carry], carry_dtypes)
     xs = invals[num_consts + num_carry :]
+    # Carries are treated as data: their weakness could change between iterations.
+    body_weak = [*in_weak[:num_consts], *[False] * num_carry, *in_weak[num_consts + num_carry :]]
+    ys_weak: list[bool] = []
 
     def body(carry, x):
-        outs = eval_closed(p["jaxpr"], [*consts, *carry, *x], ctx)
+        outs, weak = eval_closed(p["jaxpr"], [*consts, *carry, *x], ctx, body_weak)
+        ys_weak[:] = weak[num_carry:]
         return cast_to(outs[:num_carry], carry_dtypes), outs[num_carry:]
 
     carry, ys = lax.scan(
         body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
     )
-    return [*carry, *ys]
+    return [*carry, *ys], [*_strong(carry), *ys_weak]
 
 
-def _while(eqn, invals, ctx):
+def _while(eqn, invals, in_weak, ctx):
     cond_nconsts = eqn.params["cond_nconsts"]
     body_nconsts = eqn.params["body_nconsts"]
     cond_consts = invals[:cond_nconsts]
@@ -247,82 +310,105 @@ def _while(eqn, invals, ctx):
     carry_vars = eqn.invars[cond_nconsts + body_nconsts :]
     carry_dtypes = _dtypes(carry_vars)
     init = cast_to(invals[cond_nconsts + body_nconsts :], carry_dtypes)
+    cond_weak = [*in_weak[:cond_nconsts], *_strong(carry_vars)]
+    body_weak = [*in_weak[cond_nconsts : cond_nconsts + body_nconsts], *_strong(carry_vars)]
 
     def cond_fun(carry):
-        return eval_closed(eqn.params["cond_jaxpr"], [*cond_consts, *carry], ctx)[0]
+        return eval_closed(eqn.params["cond_jaxpr"], [*cond_consts, *carry], ctx, cond_weak)[0][0]
 
     def body_fun(carry):
-        outs = eval_closed(eqn.params["body_jaxpr"], [*body_consts, *carry], ctx)
+        outs, _ = eval_closed(eqn.params["body_jaxpr"], [*body_consts, *carry], ctx, body_weak)
         return cast_to(outs, carry_dtypes)
 
-    return lax.while_loop(cond_fun, body_fun, init)
+    outs = lax.while_loop(cond_fun, body_fun, init)
+    return outs, _strong(outs)
 
 
-def _cond(eqn, invals, ctx):
+def _cond(eqn, invals, in_weak, ctx):
     index, *operands = invals
     out_dtypes = _dtypes(eqn.outvars)
 
     def branch(closed, *ops):
-        return cast_to(eval_closed(closed, ops, ctx), out_dtypes)
+        outs, _ = eval_closed(closed, ops, ctx, in_weak[1:])
+        return cast_to(outs, out_dtypes)
 
     branches = [ft.partial(branch, b) for b in eqn.params["branches"]]
-    return lax.switch(index, branches, *operands)
+    outs = lax.switch(index, branches, *operands)
+    return outs, _strong(outs)
 
 
-def _shard_map(eqn, invals, ctx):
-    jaxpr = eqn.params["jaxpr"]
-
-    def body(*args):
-        return tuple(eval_closed(jaxpr, args, ctx))
-
-    return list(jax.shard_map(body, **compat.shard_map_params(eqn.params))(*invals))
-
-
-def _custom_jvp(eqn, invals, ctx):
+def _custom_jvp(eqn, invals, in_weak, ctx):
     params = compat.bind_params(eqn)
     fun, jvp = params.pop("subfuns")
     call_jaxpr = eqn.params["call_jaxpr"]
-    out_dtypes = [a.dtype for a in call_jaxpr.out_avals]
+    original = _dtypes(eqn.invars)
+    out_weak = [all(in_weak)] * len(eqn.outvars)
+    if params.get("symbolic_zeros"):
+        # Such rules receive zeros as objects and cannot be re-traced at other
+        # dtypes: call them at the dtypes they were written for.
+        return _custom_jvp_at_traced_dtypes(eqn, invals, ctx, params, fun, jvp), out_weak
 
     def new_fun(*args):
-        return cast_to(eval_closed(call_jaxpr, args, ctx), out_dtypes)
+        return eval_closed(call_jaxpr, args, ctx, in_weak)[0]
 
     def new_jvp(*primals_and_tangents):
-        if not all(eqx.is_array(x) for x in primals_and_tangents):
-            # Symbolic zeros reach the rule as objects, not arrays: run it as written.
-            return compat.call_wrapped(jvp, *primals_and_tangents)
-        return interpret_call(
-            ft.partial(compat.call_wrapped, jvp), primals_and_tangents, ctx
-        )
+        # The user's rule is traced at the dtypes it was written for and then
+        # re-evaluated under the rules at the dtypes that arrive, so values flow
+        # through (a bfloat16 activation stays bfloat16 through `jax.nn.relu`) and
+        # the forward pass follows the rules under differentiation too.
+        n = len(primals_and_tangents) // 2
+        written_for = [
+            jax.ShapeDtypeStruct(x.shape, d if is_floating_array(x) else x.dtype)
+            for x, d in zip(primals_and_tangents, original + original)
+        ]
+        rule = jax.make_jaxpr(ft.partial(compat.call_wrapped, jvp))(*written_for)
+        outs, _ = eval_closed(rule, primals_and_tangents, ctx)
+        primal_dtypes = [s.dtype for s in jax.eval_shape(new_fun, *primals_and_tangents[:n])]
+        half = len(outs) // 2
+        return cast_to(outs[:half], primal_dtypes) + cast_to(outs[half:], primal_dtypes)
 
-    invals = cast_to(invals, _dtypes(eqn.invars))
-    return eqn.primitive.bind(
+    outs = eqn.primitive.bind(
         *invals,
         subfuns=(compat.wrap_like(new_fun, fun), compat.wrap_like(new_jvp, jvp)),
         **params,
     )
+    return outs, out_weak
 
 
-def _custom_vjp(eqn, invals, ctx):
+def _custom_jvp_at_traced_dtypes(eqn, invals, ctx, params, fun, jvp):
+    call_jaxpr = eqn.params["call_jaxpr"]
+    out_dtypes = [a.dtype for a in call_jaxpr.out_avals]
+
+    def new_fun(*args):
+        return cast_to(eval_closed(call_jaxpr, args, ctx)[0], out_dtypes)
+
+    return eqn.primitive.bind(
+        *cast_to(invals, _dtypes(eqn.invars)),
+        subfuns=(compat.wrap_like(new_fun, fun), jvp),
+        **params,
+    )
+
+
+def _custom_vjp(eqn, invals, in_weak, ctx):
     params = compat.bind_params(eqn)
     fun, fwd, bwd = params.pop("subfuns")
     call_jaxpr = eqn.params["call_jaxpr"]
     out_dtypes = [a.dtype for a in call_jaxpr.out_avals]
 
     def new_fun(*args):
-        return cast_to(eval_closed(call_jaxpr, args, ctx), out_dtypes)
+        return cast_to(eval_closed(call_jaxpr, args, ctx)[0], out_dtypes)
 
     def new_fwd(*args):
         # The residuals come back in the dtypes the user's forward rule gives them,
         # so their backward rule sees exactly what it was written for.
         return interpret_call(ft.partial(compat.call_wrapped, fwd), args, ctx)
 
-    invals = cast_to(invals, _dtypes(eqn.invars))
-    return eqn.primitive.bind(
-        *invals,
+    outs = eqn.primitive.bind(
+        *cast_to(invals, _dtypes(eqn.invars)),
         subfuns=(compat.wrap_like(new_fun, fun), compat.wrap_like(new_fwd, fwd), bwd),
         **params,
     )
+    return outs, [all(in_weak)] * len(outs)
 
 
 _HIGHER_ORDER: dict[str, Callable] = {

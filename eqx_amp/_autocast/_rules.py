@@ -40,6 +40,16 @@ def _cast(value: Any, dtype: np.dtype | None) -> Any:
     return lax.convert_element_type(value, dtype)
 
 
+def promotion_dtypes(invals: Sequence[Any], weak: Sequence[bool]) -> list[np.dtype]:
+    """The dtypes that decide a promotion: those of the data-derived ("strong")
+    floating inputs. Parameters and constants are weakly typed, like Python scalars
+    in JAX: they follow the activations they meet, so `bf16 matmul + f32 bias` stays
+    bfloat16 (PyTorch's autocast casts a Linear's bias with its matmul, too). Only
+    when every input is weak do their own dtypes decide."""
+    strong = [v.dtype for v, w in zip(invals, weak) if _is_floating(v) and not w]
+    return strong or _floating_dtypes(invals)
+
+
 class BuiltinRule:
     """One of `LOW`, `FULL`, `PROMOTE`, `KEEP`. Built-in rules are themselves
     callables with the jaxamp signature, so user rules can wrap them."""
@@ -50,14 +60,18 @@ class BuiltinRule:
         self.__doc__ = doc
 
     def __call__(self, compute_dtype, original_dtypes, *invals, **params):
-        current = _floating_dtypes(invals)
+        return self.cast(compute_dtype, original_dtypes, invals, [False] * len(invals)), params
+
+    def cast(self, compute_dtype, original_dtypes, invals, weak) -> list[Any]:
+        """The inputs cast by this rule; `weak` marks the parameter-derived ones."""
+        deciding = promotion_dtypes(invals, weak)
         targets = [
-            self._target(compute_dtype, original, value.dtype, current)
+            self._target(compute_dtype, original, value.dtype, deciding)
             if _is_floating(value)
             else None
             for value, original in zip(invals, original_dtypes)
         ]
-        return [_cast(v, t) for v, t in zip(invals, targets)], params
+        return [_cast(v, t) for v, t in zip(invals, targets)]
 
     def __repr__(self) -> str:
         return f"eqx_amp.{self.name}"
@@ -84,8 +98,9 @@ FULL = BuiltinRule(
 PROMOTE = BuiltinRule(
     "PROMOTE",
     lambda compute, original, current, all_current: _widest(all_current),
-    "Casts floating inputs to the widest floating input dtype (binary and n-ary "
-    "elementwise ops, which need their operands to agree).",
+    "Casts floating inputs to the widest floating dtype among the data-derived "
+    "inputs (binary and n-ary elementwise ops, which need their operands to agree); "
+    "parameters and constants follow, as weakly typed values do in JAX.",
 )
 KEEP = BuiltinRule(
     "KEEP",
