@@ -38,8 +38,8 @@ _UPDATES_MISMATCH = (
     "`updates` must have the structure of `bimodel.master` (the same containers, "
     "module types and static fields), with `None` allowed in place of any subtree, "
     "as `optimizer.update(grads, opt_state, eqx.filter(bimodel.master, "
-    "eqx.is_inexact_array))` returns it. The structure of `updates` does not match: "
-    "{}"
+    "eqx.is_inexact_array))` returns it. The structure of `updates` does not "
+    "match. JAX reported: {}"
 )
 _UPDATE_FOR_NON_FLOAT = (
     "`updates` has {} where `bimodel.master` has {}, which is not a floating array "
@@ -60,6 +60,13 @@ _COMPUTE_MISMATCH = (
 
 def _is_none(x: Any) -> bool:
     return x is None
+
+
+def _first_line(error: Exception, limit: int = 200) -> str:
+    """The start of an error message from JAX, which can print a whole model."""
+    line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+    line = line.rstrip("(")  # JAX goes on to print the tree on the next lines.
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _describe(x: Any) -> str:
@@ -97,8 +104,8 @@ class BiModel(eqx.Module):
     spec-selected leaves), bit for bit, after every step.
 
     A `BiModel` is an `eqx.Module`, so a pytree: it passes through `eqx.filter_jit`,
-    `eqx.filter_shard` / `jax.device_put`, `eqx_amp.select_tree` and
-    `eqx.tree_serialise_leaves` like any model. Leaves the spec keeps are stored
+    `eqx.filter_shard` (or `jax.device_put` on its array leaves),
+    `eqx_amp.select_tree` and `eqx.tree_serialise_leaves` like any model. Leaves the spec keeps are stored
     once.
 
     **Arguments:**
@@ -265,7 +272,7 @@ class BiModel(eqx.Module):
         try:
             master_parts = update_def.flatten_up_to(self.master)
         except (ValueError, TypeError) as e:
-            raise ValueError(_UPDATES_MISMATCH.format(e)) from None
+            raise ValueError(_UPDATES_MISMATCH.format(_first_line(e))) from None
         for update, leaf in zip(update_leaves, master_parts):
             _check_update(update, leaf)
 
@@ -384,4 +391,3 @@ class _OnCompute(eqx.Module):
 
     def __call__(self, compute, *args, **kwargs):
         return self.fun(self.bimodel.with_compute(compute), *args, **kwargs)
-

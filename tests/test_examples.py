@@ -62,3 +62,18 @@ def test_debug_overflow_finds_and_fixes_the_overflow():
     assert "first non-finite value: `convert_element_type`" in out
     assert "Fix 1" in out and "find_nonfinite: None" in out
     assert "exp runs in ('float32',) under 'GaussianHead'" in out
+
+
+def test_bimodel_transformer():
+    out = _run_example(
+        "bimodel_transformer.py",
+        *("--steps", "6", "--batch-size", "4", "--block-size", "16", "--dim", "16"),
+        *("--heads", "2", "--layers", "1", "--val-batches", "1", "--redo-on-nan", "1"),
+    )
+    assert "alice29.txt: 148,481 characters" in out
+    assert "fp32 final loss: train" in out
+    assert "bimodel final loss: train" in out
+    assert "compiled.memory_analysis() of the training step:" in out
+    assert "variant  | train loss | val loss | step memory | saved activations" in out
+    assert "gradient tree 0.5" in out  # the float16 gradient tree is about half
+    assert "bimodel/fp32: val loss" in out
