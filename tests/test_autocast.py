@@ -42,6 +42,14 @@ def _assert_tree_close(a, b, tol):
         assert _rel_error(x, y) < tol
 
 
+def _global_rel_error(a, b):
+    """Relative error of two gradient trees as one vector: leaves whose true gradient
+    is zero (a conv bias under BatchNorm) hold only rounding noise, which a per-leaf
+    relative error would magnify without bound."""
+    flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(t)])  # noqa: E731
+    return _rel_error(flat(a), flat(b))
+
+
 def _ops_in(jaxpr, name):
     return [in_dtypes(e) for e, _ in eqns_named(jaxpr, name)]
 
@@ -151,6 +159,39 @@ def test_cnn_and_batch_norm_with_state(getkey):
     assert float_dtypes(new_state) == {F32}
     assert _rel_error(out, ref_out) < 3e-2
     _assert_tree_close(new_state, ref_state, tol=3e-2)
+
+
+def test_conv_batch_norm_with_state_under_grad(getkey):
+    conv = eqx.nn.Conv2d(1, 4, 3, padding=1, key=getkey())
+    bn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, axis_name="batch", mode="batch")
+    images = jr.normal(getkey(), (8, 1, 6, 6))
+    # Not `mean(out**2)`: batch statistics normalise that to ~1 whatever the conv
+    # weights are, so its gradient would be rounding noise.
+    target = jr.normal(getkey(), (8, 4, 6, 6))
+
+    def loss(params, state, images):
+        conv, bn = params
+
+        def one(image, state):
+            return bn(conv(image), state)
+
+        out, state = jax.vmap(one, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+            images, state
+        )
+        return jnp.mean((out - target) ** 2), state
+
+    grad_fn = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
+    (value, new_state), grads = grad_fn((conv, bn), state, images)
+    amp = eqx.filter_value_and_grad(eqx_amp.autocast(loss), has_aux=True)
+    (amp_value, amp_state), amp_grads = eqx.filter_jit(amp)((conv, bn), state, images)
+    jaxpr = traced(amp, (conv, bn), state, images)
+    assert [BF16, BF16] in _ops_in(jaxpr, "conv_general_dilated")
+    assert_scope_in_float32(jaxpr, "eqx.nn.BatchNorm")
+    assert float_dtypes(amp_state) == float_dtypes(new_state) == {F32}
+    _assert_tree_close(amp_state, new_state, tol=2e-2)
+    assert _rel_error(amp_value, value) < 2e-2
+    assert float_dtypes(amp_grads) == {F32}
+    assert _global_rel_error(amp_grads, grads) < 5e-2
 
 
 def test_gru_in_scan_keeps_its_carry_dtype(getkey):
