@@ -32,18 +32,23 @@ def cast_leaf(leaf: Any, dtype: np.dtype) -> Any:
     return leaf
 
 
-def floating_dtype(dtype: Any, argname: str = "dtype") -> np.dtype:
+def floating_dtype(dtype: Any, argname: str = "dtype", accepted_words: str = "") -> np.dtype:
+    """`dtype` as an `np.dtype`, or a `ValueError` naming `argname` if it is not a
+    real floating dtype."""
     try:
         dtype = jnp.dtype(dtype)
     except TypeError:
+        words = f", or one of {accepted_words}" if accepted_words else ""
         raise ValueError(
-            f"`{argname}` must be a floating dtype such as jnp.bfloat16, got "
-            f"{dtype!r}."
+            f"`{argname}` must be a floating dtype such as jnp.bfloat16{words}, but "
+            f"got {dtype!r}."
         ) from None
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(
             f"`{argname}` must be a real floating dtype (float16, bfloat16, float32, "
-            f"float64, or a float8 type), but got {dtype.name}."
+            f"float64, or a float8 type), but got {dtype.name}. Mixed precision only "
+            "changes floating arrays; integer, boolean and complex arrays are never "
+            "cast."
         )
     return dtype
 

@@ -15,6 +15,7 @@ from jaxtyping import PyTree
 from ._cast import cast_leaf, is_floating_array, widest_floating_dtype
 from ._filters import STATE_TYPES, FilterSpec, default_filter_spec, selection_mask
 from ._policy import Policy, resolve_policy
+from ._wrapper import FunctionWrapper
 
 
 _F = TypeVar("_F", bound=Callable)
@@ -199,14 +200,11 @@ def _is_pytree_node(obj: Any) -> bool:
     return jtu.treedef_is_leaf(jtu.tree_structure(obj)) is False
 
 
-class _AmpWrapper(eqx.Module):
+class _AmpWrapper(FunctionWrapper):
     fn: Callable
     policy: Policy = eqx.field(static=True)
     filter_spec: FilterSpec | None
 
-    @property
-    def __wrapped__(self):
-        return self.fn
 
     def __call__(self, *args, **kwargs):
         policy = self.policy
@@ -215,11 +213,6 @@ class _AmpWrapper(eqx.Module):
         out = fn(*args, **kwargs)
         return _cast_values(out, lambda _: policy.output_dtype)
 
-    def __get__(self, instance, owner):
-        del owner
-        if instance is None:
-            return self
-        return eqx.Partial(self, instance)
 
 
 def filter_amp(
@@ -295,12 +288,9 @@ def _upcast_to_float32(dtype: np.dtype) -> np.dtype:
         return jnp.promote_types(dtype, jnp.float32)
 
 
-class _FullPrecisionWrapper(eqx.Module):
+class _FullPrecisionWrapper(FunctionWrapper):
     fn: Callable
 
-    @property
-    def __wrapped__(self):
-        return self.fn
 
     def __call__(self, *args, **kwargs):
         fn = self.fn
@@ -309,11 +299,6 @@ class _FullPrecisionWrapper(eqx.Module):
         with jax.named_scope(FULL_PRECISION_SCOPE):
             return _call_at(fn, args, kwargs, _upcast_to_float32)
 
-    def __get__(self, instance, owner):
-        del owner
-        if instance is None:
-            return self
-        return eqx.Partial(self, instance)
 
 
 class _FullPrecisionScope:

@@ -20,6 +20,7 @@ from ._loss_scale import (
     all_finite,
     unbound_axis_name_error,
 )
+from ._wrapper import FunctionWrapper
 
 
 _sentinel: Any = object()
@@ -169,19 +170,16 @@ def _redo_until_finite(attempt: Callable, loss_scale: AbstractLossScale, redo: i
 #
 
 
-class _ScaledValueAndGradWrapper(eqx.Module):
-    _fun: Callable
+class _ScaledValueAndGradWrapper(FunctionWrapper):
+    fn: Callable
     _has_aux: bool = eqx.field(static=True)
     _redo_on_nan: int = eqx.field(static=True)
     _axis_name: Hashable | None = eqx.field(static=True)
 
-    @property
-    def __wrapped__(self):
-        return self._fun
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return _signature_with_loss_scale(self._fun)
+        return _signature_with_loss_scale(self.fn)
 
     def __call__(self, /, *args, loss_scale: AbstractLossScale = _sentinel, **kwargs):
         if loss_scale is _sentinel:
@@ -197,7 +195,7 @@ class _ScaledValueAndGradWrapper(eqx.Module):
         x, *args = args
         attempt = ft.partial(
             _value_and_scaled_grad,
-            self._fun,
+            self.fn,
             self._has_aux,
             self._axis_name,
             x,
@@ -218,27 +216,22 @@ class _ScaledValueAndGradWrapper(eqx.Module):
             value = (value, aux)
         return (value, grads), new_loss_scale, grads_finite
 
-    def __get__(self, instance, owner):
-        del owner
-        if instance is None:
-            return self
-        return eqx.Partial(self, instance)
 
 
-class _ScaledGradWrapper(eqx.Module):
-    _fun_value_and_grad: _ScaledValueAndGradWrapper
+class _ScaledGradWrapper(FunctionWrapper):
+    fn: _ScaledValueAndGradWrapper
     _has_aux: bool = eqx.field(static=True)
 
     @property
     def __wrapped__(self):
-        return self._fun_value_and_grad.__wrapped__
+        return self.fn.__wrapped__
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return self._fun_value_and_grad.__signature__
+        return self.fn.__signature__
 
     def __call__(self, /, *args, **kwargs):
-        (value, grads), new_loss_scale, grads_finite = self._fun_value_and_grad(
+        (value, grads), new_loss_scale, grads_finite = self.fn(
             *args, **kwargs
         )
         if self._has_aux:
@@ -246,11 +239,6 @@ class _ScaledGradWrapper(eqx.Module):
             return (grads, aux), new_loss_scale, grads_finite
         return grads, new_loss_scale, grads_finite
 
-    def __get__(self, instance, owner):
-        del owner
-        if instance is None:
-            return self
-        return eqx.Partial(self, instance)
 
 
 def _signature_with_loss_scale(fun: Callable) -> inspect.Signature:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._cast import cast_tree
+from ._cast import cast_tree, floating_dtype
 
 
 _HALF_WORDS = ("half", "16")
@@ -72,21 +72,7 @@ def _to_floating_dtype(value: Any, argname: str) -> np.dtype:
         if word in _FULL_WORDS:
             return jnp.dtype(jnp.float32)
         value = _DTYPE_ALIASES.get(word, word)
-    try:
-        dtype = jnp.dtype(value)
-    except TypeError:
-        raise ValueError(
-            f"`{argname}` got {value!r}, which is not a dtype word. Accepted: a "
-            f"floating dtype such as jnp.bfloat16, or one of {_ACCEPTED_DTYPE_WORDS}."
-        ) from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(
-            f"`{argname}` must be a real floating dtype (float16, bfloat16, float32, "
-            f"float64, or a float8 type), but got {dtype.name}. Mixed precision only "
-            "changes floating arrays; integer, boolean and complex arrays are never "
-            "cast."
-        )
-    return dtype
+    return floating_dtype(value, argname, accepted_words=_ACCEPTED_DTYPE_WORDS)
 
 
 @dataclasses.dataclass(frozen=True, init=False)

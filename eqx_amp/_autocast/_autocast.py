@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 import equinox as eqx
 
 from .._policy import Policy, resolve_policy
+from .._wrapper import FunctionWrapper
 from ._interpreter import Context, interpret_call
 from ._rules import RuleTable
 
@@ -19,14 +20,11 @@ def _call(fn, args, kwargs):
     return fn(*args, **kwargs)
 
 
-class _AutocastWrapper(eqx.Module):
+class _AutocastWrapper(FunctionWrapper):
     fn: Callable
     policy: Policy = eqx.field(static=True)
     rules: RuleTable = eqx.field(static=True)
 
-    @property
-    def __wrapped__(self):
-        return self.fn
 
     def __call__(self, *args, **kwargs):
         context = Context(self.rules, self.policy.compute_dtype)
@@ -34,11 +32,6 @@ class _AutocastWrapper(eqx.Module):
             _call, (self.fn, args, kwargs), context, modules_are_weak=True
         )
 
-    def __get__(self, instance, owner):
-        del owner
-        if instance is None:
-            return self
-        return eqx.Partial(self, instance)
 
 
 def autocast(
