@@ -379,11 +379,12 @@ def test_default_rules_table():
     assert eqx_amp.DEFAULT_RULES[lax.dot_general_p] is eqx_amp.LOW
     assert eqx_amp.DEFAULT_RULES[lax.conv_general_dilated_p] is eqx_amp.LOW
     for p in (lax.exp_p, lax.log_p, lax.rsqrt_p, lax.reduce_sum_p, lax.cumsum_p,
-              lax.pow_p, lax.integer_pow_p, lax.erf_inv_p):
+              lax.pow_p, lax.erf_inv_p):
         assert eqx_amp.DEFAULT_RULES[p] is eqx_amp.FULL, p
     for p in (lax.add_p, lax.mul_p, lax.select_n_p, lax.concatenate_p, lax.pad_p,
               lax.clamp_p, lax.atan2_p, lax.dynamic_update_slice_p, lax.scatter_add_p):
         assert eqx_amp.DEFAULT_RULES[p] is eqx_amp.PROMOTE, p
+    assert eqx_amp.DEFAULT_RULES[lax.integer_pow_p] is eqx_amp.DEFAULT_RULES[lax.logistic_p]
     assert eqx_amp.DEFAULT_RULES["eqx.nn.LayerNorm"] is eqx_amp.FULL
     assert eqx_amp.DEFAULT_RULES["eqx_amp.full_precision"] is eqx_amp.KEEP
     assert repr(eqx_amp.LOW) == "eqx_amp.LOW"
@@ -641,3 +642,35 @@ def test_custom_jvp_with_symbolic_zeros_runs_at_its_traced_dtypes(getkey):
     (call, _), = eqns_named(traced(amp, x), "custom_jvp_call")
     assert in_dtypes(call) == [F32]
     assert _rel_error(jax.grad(amp)(x), jax.grad(fn)(x)) < 3e-2
+
+
+def test_range_limited_ops_go_to_float32_for_float16_only(getkey):
+    w = jr.normal(getkey(), (4, 4))
+
+    def fn(x):
+        h = x @ w
+        return jax.nn.sigmoid(h) + h**3
+
+    x = jr.normal(getkey(), (4,))
+    for policy, expected in (("mixed_bfloat16", BF16), ("mixed_float16", F32)):
+        jaxpr = traced(eqx_amp.autocast(fn, policy=policy), x)
+        assert _ops_in(jaxpr, "integer_pow") == [[expected]], policy
+        assert _ops_in(jaxpr, "logistic") == [[expected]], policy
+    # x**3 overflows float16 from x = 41: in float32 it does not.
+    big = jnp.full((4,), 50.0)
+    cube = eqx_amp.autocast(lambda x: (x @ jnp.eye(4)) ** 3, policy="mixed_float16")
+    assert jnp.all(jnp.isfinite(cube(big)))
+
+
+def test_a_value_is_cast_once_per_dtype(getkey):
+    w1, w2, w3 = (jr.normal(getkey(), (4, 4)) for _ in range(3))
+
+    def fn(x):
+        h = jnp.exp(x)  # float32 (FULL), read by three bfloat16 matmuls
+        return h @ w1, h @ w2, h @ w3
+
+    jaxpr = traced(eqx_amp.autocast(fn), jr.normal(getkey(), (4,)))
+    (exp_eqn, _), = eqns_named(jaxpr, "exp")
+    h = exp_eqn.outvars[0]
+    casts_of_h = [e for e, _ in eqns_named(jaxpr, "convert_element_type") if e.invars[0] is h]
+    assert len(casts_of_h) == 1

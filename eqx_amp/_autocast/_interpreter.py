@@ -71,6 +71,7 @@ def eval_jaxpr(
     literals are weak too. Returns the outputs and which of them are weak."""
     env: dict[Any, Any] = {}
     weak_env: dict[Any, bool] = {}
+    casts = _CastCache()
 
     def read(atom):
         return atom.val if isinstance(atom, compat.Literal) else env[atom]
@@ -87,7 +88,7 @@ def eval_jaxpr(
         in_weak = [is_weak(v) for v in eqn.invars]
         eqn_ctx = ctx.inside(compat.scope_names(eqn))
         with compat.equation_context(eqn):
-            outvals, out_weak = _eval_equation(eqn, invals, in_weak, eqn_ctx)
+            outvals, out_weak = _eval_equation(eqn, invals, in_weak, eqn_ctx, casts)
         env.update(zip(eqn.outvars, outvals))
         weak_env.update(zip(eqn.outvars, out_weak))
     return [read(v) for v in jaxpr.outvars], [is_weak(v) for v in jaxpr.outvars]
@@ -140,7 +141,29 @@ def interpret_call(
 #
 
 
-def _eval_equation(eqn: Any, invals: list, in_weak: list[bool], ctx: Context):
+class _CastCache:
+    """One cast per (value, dtype) per jaxpr: a LayerNorm output read by the q, k and
+    v projections is converted once, not three times (each copy would otherwise be
+    a separate value saved for the backward pass)."""
+
+    def __init__(self):
+        self._casts: dict[tuple[int, np.dtype], tuple[Any, Any]] = {}
+
+    def __call__(self, value: Any, dtype: np.dtype | None) -> Any:
+        if dtype is None or not is_floating_array(value) or value.dtype == dtype:
+            return value
+        if isinstance(value, (np.ndarray, np.generic)):
+            # A literal: cast now, so it stays a constant rather than becoming a
+            # traced value (which the backward pass might save).
+            return np.asarray(value).astype(dtype)
+        key = (id(value), jnp.dtype(dtype))
+        if key not in self._casts:
+            # The source is kept alive with its cast, so its id cannot be reused.
+            self._casts[key] = (value, lax.convert_element_type(value, dtype))
+        return self._casts[key][1]
+
+
+def _eval_equation(eqn: Any, invals: list, in_weak: list[bool], ctx: Context, casts: _CastCache):
     handler = _HIGHER_ORDER.get(eqn.primitive.name)
     if handler is not None:
         outs, out_weak = handler(eqn, invals, in_weak, ctx)
@@ -158,7 +181,7 @@ def _eval_equation(eqn: Any, invals: list, in_weak: list[bool], ctx: Context):
     if rule is None:
         invals = _agree_if_they_did(invals, original, in_weak)
     elif isinstance(rule, BuiltinRule):
-        invals = rule.cast(ctx.compute_dtype, original, invals, in_weak)
+        invals = rule.cast(ctx.compute_dtype, original, invals, in_weak, casts)
     else:
         invals, params = rule(ctx.compute_dtype, original, *invals, **params)
         invals = list(invals)

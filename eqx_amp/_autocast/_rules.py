@@ -62,8 +62,11 @@ class BuiltinRule:
     def __call__(self, compute_dtype, original_dtypes, *invals, **params):
         return self.cast(compute_dtype, original_dtypes, invals, [False] * len(invals)), params
 
-    def cast(self, compute_dtype, original_dtypes, invals, weak) -> list[Any]:
-        """The inputs cast by this rule; `weak` marks the parameter-derived ones."""
+    def cast(self, compute_dtype, original_dtypes, invals, weak, cast=None) -> list[Any]:
+        """The inputs cast by this rule; `weak` marks the parameter-derived ones, and
+        `cast(value, dtype)` does the casting (the interpreter passes one that casts
+        each value once)."""
+        cast = _cast if cast is None else cast
         deciding = promotion_dtypes(invals, weak)
         targets = [
             self._target(compute_dtype, original, value.dtype, deciding)
@@ -71,7 +74,7 @@ class BuiltinRule:
             else None
             for value, original in zip(invals, original_dtypes)
         ]
-        return [_cast(v, t) for v, t in zip(invals, targets)]
+        return [cast(v, t) for v, t in zip(invals, targets)]
 
     def __repr__(self) -> str:
         return f"eqx_amp.{self.name}"
@@ -113,8 +116,10 @@ BUILTIN_RULES = (LOW, FULL, PROMOTE, KEEP)
 
 
 def _full_for_float16(compute_dtype, original_dtypes, *invals, **params):
-    """`logistic` saturates to exactly 0 or 1 in float16 far earlier than in float32
-    and loses the gradient there; bfloat16 has float32's range, so it stays low."""
+    """For ops whose trouble in half precision is float16's range, not its precision:
+    `x**3` (in GELU) overflows float16 from x = 41, and `logistic` saturates to
+    exactly 0 or 1 far earlier than in float32. bfloat16 has float32's range, so
+    there they stay in the low dtype (and the activations after them too)."""
     if any(v.dtype == jnp.float16 for v in invals if _is_floating(v)):
         return FULL(compute_dtype, original_dtypes, *invals, **params)
     return list(invals), params
@@ -126,7 +131,7 @@ def _primitive(name: str) -> Any | None:
 
 _LOW_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
 _FULL_PRIMITIVES = (
-    "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "rsqrt", "tan",
+    "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt", "tan",
     "sinh", "cosh", "asin", "acos", "erf_inv", "reduce_sum", "reduce_prod",
     "cumsum", "cumprod", "cumlogsumexp",
 )  # fmt: skip
@@ -157,6 +162,7 @@ def _default_rules() -> dict[Any, Any]:
     if add_any is not None:
         rules[add_any] = PROMOTE
     rules[lax.logistic_p] = _full_for_float16
+    rules[lax.integer_pow_p] = _full_for_float16
     for scope in NORM_SCOPES:
         rules[scope] = FULL
     rules[FULL_PRECISION_SCOPE] = KEEP

@@ -1,0 +1,288 @@
+"""The benchmark models, their presets and their synthetic data.
+
+Two plain float32 Equinox models, written the way a user would write them (no
+knowledge of mixed precision inside):
+
+- `GPT`: token embedding + learned positions, `depth` pre-norm blocks (LayerNorm,
+  causal `eqx.nn.MultiheadAttention`, LayerNorm, GELU MLP), final LayerNorm and an
+  unbiased head. Called on one sequence of token ids; `jax.vmap` adds the batch.
+- `CNN`: a ResNet-ish stack of `Conv2d` + `GroupNorm` + ReLU blocks (a stride-2
+  block starts each stage, residual blocks follow), global mean pooling and a linear
+  head. Called on one `(channels, height, width)` image.
+
+The data are a few fixed random batches that every variant sees in the same order,
+so the loss after K steps (the model memorising them) is comparable across variants.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import optax
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+
+#
+# GPT.
+#
+
+
+class Block(eqx.Module):
+    norm1: eqx.nn.LayerNorm
+    attention: eqx.nn.MultiheadAttention
+    norm2: eqx.nn.LayerNorm
+    mlp_in: eqx.nn.Linear
+    mlp_out: eqx.nn.Linear
+
+    def __init__(self, width: int, heads: int, *, key: PRNGKeyArray):
+        k1, k2, k3 = jr.split(key, 3)
+        self.norm1 = eqx.nn.LayerNorm(width)
+        self.attention = eqx.nn.MultiheadAttention(heads, width, key=k1)
+        self.norm2 = eqx.nn.LayerNorm(width)
+        self.mlp_in = eqx.nn.Linear(width, 4 * width, key=k2)
+        self.mlp_out = eqx.nn.Linear(4 * width, width, key=k3)
+
+    def __call__(self, x: Float[Array, "seq width"]) -> Float[Array, "seq width"]:
+        seq = x.shape[0]
+        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        y = jax.vmap(self.norm1)(x)
+        x = x + self.attention(y, y, y, mask=causal)
+        y = jax.vmap(self.norm2)(x)
+        y = jax.vmap(self.mlp_out)(jax.nn.gelu(jax.vmap(self.mlp_in)(y)))
+        return x + y
+
+
+class GPT(eqx.Module):
+    embed: eqx.nn.Embedding
+    positions: Float[Array, "seq width"]
+    blocks: list[Block]
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(
+        self, vocab: int, width: int, depth: int, heads: int, seq: int, *, key
+    ):
+        keys = jr.split(key, depth + 3)
+        self.embed = eqx.nn.Embedding(vocab, width, key=keys[0])
+        self.positions = 0.02 * jr.normal(keys[1], (seq, width))
+        self.blocks = [Block(width, heads, key=k) for k in keys[2:-1]]
+        self.norm = eqx.nn.LayerNorm(width)
+        self.head = eqx.nn.Linear(width, vocab, use_bias=False, key=keys[-1])
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        x = jax.vmap(self.embed)(tokens) + self.positions
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+
+#
+# CNN.
+#
+
+
+class ConvBlock(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    norm1: eqx.nn.GroupNorm
+    conv2: eqx.nn.Conv2d
+    norm2: eqx.nn.GroupNorm
+    shortcut: eqx.nn.Conv2d | None
+
+    def __init__(self, c_in: int, c_out: int, stride: int, groups: int, *, key):
+        k1, k2, k3 = jr.split(key, 3)
+        self.conv1 = eqx.nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, key=k1)
+        self.norm1 = eqx.nn.GroupNorm(groups, c_out)
+        self.conv2 = eqx.nn.Conv2d(c_out, c_out, 3, padding=1, key=k2)
+        self.norm2 = eqx.nn.GroupNorm(groups, c_out)
+        if stride != 1 or c_in != c_out:
+            self.shortcut = eqx.nn.Conv2d(c_in, c_out, 1, stride=stride, key=k3)
+        else:
+            self.shortcut = None
+
+    def __call__(self, x: Float[Array, "c h w"]) -> Float[Array, "c2 h2 w2"]:
+        y = jax.nn.relu(self.norm1(self.conv1(x)))
+        y = self.norm2(self.conv2(y))
+        skip = x if self.shortcut is None else self.shortcut(x)
+        return jax.nn.relu(y + skip)
+
+
+class CNN(eqx.Module):
+    stem: eqx.nn.Conv2d
+    stem_norm: eqx.nn.GroupNorm
+    blocks: list[ConvBlock]
+    head: eqx.nn.Linear
+
+    def __init__(
+        self,
+        channels: int,
+        widths: tuple[int, ...],
+        blocks_per_stage: int,
+        classes: int,
+        groups: int,
+        *,
+        key,
+    ):
+        keys = iter(jr.split(key, 2 + len(widths) * blocks_per_stage))
+        self.stem = eqx.nn.Conv2d(channels, widths[0], 3, padding=1, key=next(keys))
+        self.stem_norm = eqx.nn.GroupNorm(groups, widths[0])
+        blocks = []
+        c_in = widths[0]
+        for i, width in enumerate(widths):
+            for j in range(blocks_per_stage):
+                stride = 2 if (j == 0 and i > 0) else 1
+                blocks.append(ConvBlock(c_in, width, stride, groups, key=next(keys)))
+                c_in = width
+        self.blocks = blocks
+        self.head = eqx.nn.Linear(c_in, classes, key=next(keys))
+
+    def __call__(self, image: Float[Array, "c h w"]) -> Float[Array, " classes"]:
+        x = jax.nn.relu(self.stem_norm(self.stem(image)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+#
+# Presets and tasks.
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab: int
+    width: int
+    depth: int
+    heads: int
+    seq: int
+    batch: int
+
+    def describe(self) -> str:
+        return (
+            f"GPT: {self.depth} blocks, width {self.width}, {self.heads} heads, "
+            f"seq {self.seq}, batch {self.batch}, vocab {self.vocab}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CNNConfig:
+    image: int
+    channels: int
+    widths: tuple[int, ...]
+    blocks_per_stage: int
+    classes: int
+    groups: int
+    batch: int
+
+    def describe(self) -> str:
+        return (
+            f"CNN: widths {'/'.join(map(str, self.widths))} x {self.blocks_per_stage} "
+            f"residual blocks, GroupNorm({self.groups}), {self.channels}x{self.image}"
+            f"x{self.image} images, batch {self.batch}, {self.classes} classes"
+        )
+
+
+PRESETS = {
+    # The smoke test: seconds per variant.
+    "tiny": {
+        "gpt": GPTConfig(vocab=64, width=32, depth=1, heads=2, seq=16, batch=2),
+        "cnn": CNNConfig(8, 3, (8,), 1, 10, 4, batch=2),
+    },
+    # A whole run in a few minutes on 2 CPU cores.
+    "cpu": {
+        "gpt": GPTConfig(vocab=256, width=128, depth=2, heads=4, seq=64, batch=8),
+        "cnn": CNNConfig(16, 3, (16, 32), 1, 10, 8, batch=16),
+    },
+    # GPT-2 small (vocab 32k) at seq 1024 and a ResNet-18-like CNN at 64x64: meant
+    # for one large GPU (sized for an H200; `eqx.nn.MultiheadAttention` materialises
+    # the attention matrices, tens of GB in float32 for the GPT).
+    "gpu": {
+        "gpt": GPTConfig(vocab=32768, width=768, depth=12, heads=12, seq=1024, batch=16),
+        "cnn": CNNConfig(64, 3, (64, 128, 256, 512), 2, 1000, 32, batch=128),
+    },
+}
+
+# Adam's learning rate and how many distinct batches are cycled through.
+LEARNING_RATE = 1e-3
+NUM_BATCHES = 4
+
+
+@dataclasses.dataclass
+class Task:
+    """A model, its data, and the float32 loss every variant optimises."""
+
+    name: str
+    description: str
+    model: eqx.Module
+    # Each batch is `(inputs, labels)`: tokens `(B, seq)` and next tokens `(B, seq)`
+    # for the GPT, images `(B, C, H, W)` and classes `(B,)` for the CNN.
+    batches: list[tuple[Array, Array]]
+    optimizer: optax.GradientTransformation = dataclasses.field(
+        default_factory=lambda: optax.adam(LEARNING_RATE)
+    )
+
+    def batch(self, step: int) -> tuple[Array, Array]:
+        return self.batches[step % len(self.batches)]
+
+
+def cross_entropy(logits: Array, labels: Array) -> Array:
+    """Mean cross entropy in float32, whatever dtype the logits arrive in."""
+    logits = logits.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def make_task(name: str, config, *, seed: int = 0) -> Task:
+    key_model, key_data = jr.split(jr.key(seed))
+    keys = jr.split(key_data, NUM_BATCHES)
+    if name == "gpt":
+        model = GPT(
+            config.vocab, config.width, config.depth, config.heads, config.seq,
+            key=key_model,
+        )  # fmt: skip
+        batches = []
+        for k in keys:
+            seqs = jr.randint(k, (config.batch, config.seq + 1), 0, config.vocab)
+            batches.append((seqs[:, :-1], seqs[:, 1:]))
+    elif name == "cnn":
+        model = CNN(
+            config.channels, config.widths, config.blocks_per_stage, config.classes,
+            config.groups, key=key_model,
+        )  # fmt: skip
+        batches = []
+        for k in keys:
+            k1, k2 = jr.split(k)
+            shape = (config.batch, config.channels, config.image, config.image)
+            batches.append(
+                (jr.normal(k1, shape), jr.randint(k2, (config.batch,), 0, config.classes))
+            )
+    else:
+        raise ValueError(f"unknown model {name!r}; expected 'gpt' or 'cnn'")
+    return Task(name, config.describe(), model, batches)
+
+
+def count_params(model: eqx.Module) -> int:
+    leaves = jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array))
+    return sum(math.prod(x.shape) for x in leaves)
+
+
+NORM_TYPES = (eqx.nn.LayerNorm, eqx.nn.GroupNorm, eqx.nn.RMSNorm, eqx.nn.BatchNorm)
+
+
+def is_norm(x) -> bool:
+    return isinstance(x, NORM_TYPES)
+
+
+def replace_norms(model: eqx.Module, wrap: Callable[[eqx.Module], eqx.Module]):
+    """`model` with every normalisation layer `n` replaced by `wrap(n)`, by
+    `eqx.tree_at`."""
+    norms = [x for x in jax.tree_util.tree_leaves(model, is_leaf=is_norm) if is_norm(x)]
+    if not norms:
+        return model
+
+    def where(m):
+        return [x for x in jax.tree_util.tree_leaves(m, is_leaf=is_norm) if is_norm(x)]
+
+    return eqx.tree_at(where, model, replace_fn=wrap)

@@ -1,0 +1,60 @@
+"""`benchmarks/run.py` runs end to end with the tiniest settings (tiny models, one
+trace+compile repeat, two steps, and only the variants that need no optional
+package), prints its table and targets, and writes JSON with the expected keys.
+No timing is asserted: the targets are reported by the benchmark, not tested."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+VARIANTS = ("fp32", "hand_bf16", "filter_amp_bf16", "autocast_bf16", "bimodel_f16")
+
+
+def test_benchmark_runs(tmp_path):
+    out_json = tmp_path / "results.json"
+    # The pipeline is under test, not the numbers: a lower XLA backend optimisation
+    # level halves the compile times.
+    xla_flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags.strip()}
+    result = subprocess.run(
+        [
+            sys.executable, str(REPO_ROOT / "benchmarks" / "run.py"),
+            "--preset", "tiny", "--models", "gpt,cnn", "--variants", ",".join(VARIANTS),
+            "--steps", "2", "--repeats", "1", "--json", str(out_json),
+        ],  # fmt: skip
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "| variant | dtype | scaling | trace+lower s | compile s |" in out
+    assert "targets (DESIGN.md" in out
+    for name in VARIANTS:
+        assert f"| {name} |" in out
+
+    report = json.loads(out_json.read_text())
+    assert set(report) == {"meta", "models", "targets"}
+    assert report["meta"]["preset"] == "tiny"
+    assert set(report["models"]) == {"gpt", "cnn"}
+    for model in report["models"].values():
+        assert set(model["variants"]) == set(VARIANTS)
+        for res in model["variants"].values():
+            assert res["status"] == "ok", res
+            for key in ("trace_lower_s", "compile_s", "memory", "saved", "hlo_program",
+                        "hlo_compiled", "step_s", "final_loss", "ratios"):  # fmt: skip
+                assert key in res, key
+            assert res["memory"]["total_bytes"] > 0
+            assert res["saved"]["bytes"] > 0
+        # The half-precision variants ask XLA for every matmul in half precision.
+        for name in ("hand_bf16", "filter_amp_bf16", "autocast_bf16", "bimodel_f16"):
+            hlo = model["variants"][name]["hlo_program"]
+            assert hlo["half_matmuls"] == hlo["matmuls"] > 0
+        assert model["variants"]["fp32"]["hlo_program"]["half_matmuls"] == 0
+    assert {c["status"] for c in report["targets"]} <= {"PASS", "LAG", "INFO", "n/a"}
