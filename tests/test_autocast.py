@@ -674,3 +674,30 @@ def test_a_value_is_cast_once_per_dtype(getkey):
     h = exp_eqn.outvars[0]
     casts_of_h = [e for e, _ in eqns_named(jaxpr, "convert_element_type") if e.invars[0] is h]
     assert len(casts_of_h) == 1
+
+
+def test_composes_with_filter_amp(getkey):
+    """`autocast(filter_amp(model))`: the boundary casts of `filter_amp` (norm layers
+    hand back half precision) with the op rules of `autocast` inside."""
+    model = CNN(key=getkey())
+    x = jr.normal(getkey(), (4, 1, 8, 8))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def saved_bytes(wrap):
+        def loss(params):
+            return jnp.mean(jax.vmap(wrap(eqx.combine(params, static)))(x) ** 2)
+
+        def residuals(params):
+            return jax.tree_util.tree_leaves(jax.vjp(loss, params)[1])
+
+        return sum(s.size * s.dtype.itemsize for s in jax.eval_shape(residuals, params))
+
+    both = lambda m: eqx_amp.autocast(eqx_amp.filter_amp(m))  # noqa: E731
+    assert saved_bytes(both) == saved_bytes(eqx_amp.filter_amp) < saved_bytes(eqx_amp.autocast)
+
+    def head_softmax(m, x):
+        return jax.nn.softmax(m(x))
+
+    jaxpr = traced(eqx_amp.autocast(eqx_amp.filter_amp(head_softmax)), model, x[0])
+    assert _ops_in(jaxpr, "exp") == [[F32]]  # the rule still applies inside
+    assert_matmuls_in(jaxpr, BF16, at_least=3)
