@@ -62,6 +62,8 @@ def test_debug_overflow_finds_and_fixes_the_overflow():
     assert "first non-finite value: `convert_element_type`" in out
     assert "Fix 1" in out and "find_nonfinite: None" in out
     assert "exp runs in ('float32',) under 'GaussianHead'" in out
+    assert "variant                       |   loss | first non-finite op" in out
+    assert "fix 2: autocast float16       | 5.9934 | none" in out
 
 
 def test_bimodel_transformer():
