@@ -33,7 +33,7 @@ import argparse
 import pathlib
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -45,6 +45,7 @@ import optax
 from jaxtyping import Array, Float, Int, PyTree
 
 import eqx_amp
+from _reporting import compiled_memory, fmt_bytes, progress, step_bytes
 
 
 DEFAULT_TEXT = pathlib.Path(__file__).resolve().parent / "data" / "alice29.txt"
@@ -218,18 +219,6 @@ def tree_bytes(tree: PyTree) -> int:
     )
 
 
-def compiled_memory(compiled) -> dict[str, int] | None:
-    """The sizes XLA reports for a compiled step, or `None` where the backend does
-    not report them."""
-    compiled = getattr(compiled, "compiled", compiled)  # An Equinox wrapper, or not.
-    try:
-        stats = compiled.memory_analysis()
-    except (AttributeError, NotImplementedError):
-        return None
-    if stats is None:
-        return None
-    fields = ("argument", "output", "temp", "alias", "generated_code")
-    return {f: int(getattr(stats, f"{f}_size_in_bytes", 0) or 0) for f in fields}
 
 
 def differentiable(model) -> tuple[Callable, PyTree]:
@@ -269,13 +258,6 @@ def gradient_bytes(model, inputs, targets) -> int:
 #
 
 
-def progress(iterable: Iterable, total: int, desc: str):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        print(f"{desc}: training for {total} steps (install tqdm for a progress bar)")
-        return iterable
-    return tqdm(iterable, total=total, desc=desc, unit="step", leave=True)
 
 
 def train(
@@ -335,19 +317,8 @@ def train(
 #
 
 
-def fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
 
 
-def step_bytes(memory: dict | None) -> int | None:
-    if memory is None:
-        return None
-    return memory["argument"] + memory["output"] + memory["temp"]
 
 
 def ratio(a, b) -> str:

@@ -38,7 +38,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import argparse  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Iterable  # noqa: E402
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
@@ -49,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from jaxtyping import Array, Float, Int  # noqa: E402
 
 import eqx_amp  # noqa: E402
+from _reporting import progress  # noqa: E402
 
 
 AXIS = "data"
@@ -146,13 +146,6 @@ def accuracy(model, images, labels) -> Float[Array, ""]:
 #
 
 
-def progress(iterable: Iterable, total: int):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        print(f"training for {total} steps (install tqdm for a progress bar)")
-        return iterable
-    return tqdm(iterable, total=total, desc="data parallel", unit="step")
 
 
 def choose_devices() -> list:
@@ -206,7 +199,7 @@ def main():
     losses, skipped, scales = [], [], []
     start = compiled_at = time.perf_counter()
     data = batches(x_train, y_train, args.batch_size, args.steps, args.seed)
-    for i, (images, labels) in enumerate(progress(data, args.steps)):
+    for i, (images, labels) in enumerate(progress(data, args.steps, "data parallel")):
         if i == args.inject_nan:
             images = images.copy()
             images[0, 0] = np.nan  # row 0 lives on device 0

@@ -23,7 +23,7 @@ Needs `scikit-learn`; `tqdm` is optional (a progress bar).
 import argparse
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -36,6 +36,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import eqx_amp
+from _reporting import compiled_memory, fmt_bytes, progress, step_bytes
 
 
 #
@@ -124,15 +125,6 @@ def accuracy(model: CNN, images, labels, policy: str | None) -> Float[Array, ""]
 #
 
 
-def compiled_memory(compiled) -> dict[str, int] | None:
-    """The sizes XLA reports for a compiled step, or `None` where the backend does
-    not report them."""
-    # `eqx.filter_jit(f).lower(...).compile()` wraps a `jax.stages.Compiled`.
-    stats = compiled.compiled.memory_analysis()
-    if stats is None:
-        return None
-    fields = ("argument", "output", "temp", "alias", "generated_code")
-    return {f: int(getattr(stats, f"{f}_size_in_bytes", 0) or 0) for f in fields}
 
 
 def saved_activation_bytes(model: CNN, images, labels, policy: str | None) -> int:
@@ -166,13 +158,6 @@ def saved_activation_bytes(model: CNN, images, labels, policy: str | None) -> in
 #
 
 
-def progress(iterable: Iterable, total: int, desc: str):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        print(f"{desc}: training for {total} steps (install tqdm for a progress bar)")
-        return iterable
-    return tqdm(iterable, total=total, desc=desc, unit="step", leave=True)
 
 
 def train(
@@ -243,19 +228,8 @@ def make_batch_orders(
 #
 
 
-def fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
 
 
-def step_bytes(memory: dict | None) -> int | None:
-    if memory is None:
-        return None
-    return memory["argument"] + memory["output"] + memory["temp"]
 
 
 def print_summary(results: list[dict]) -> None:
