@@ -1,6 +1,11 @@
 """Reading dtypes from traced programs: every assertion about precision in the test
 suite goes through the jaxpr (or the compiled HLO), never through a docstring."""
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,3 +89,25 @@ def float_dtypes(tree) -> set[np.dtype]:
         for leaf in jax.tree_util.tree_leaves(tree)
         if hasattr(leaf, "dtype") and np.issubdtype(leaf.dtype, np.floating)
     }
+
+
+def run_on_eight_devices(script: str) -> dict:
+    """Runs `tests/<script>` on 8 fake CPU devices and returns the JSON report it
+    prints last. The device count must be set before JAX is imported, so the script
+    runs in a fresh interpreter."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, str(root / "tests" / script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])

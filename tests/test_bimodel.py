@@ -1,8 +1,3 @@
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
@@ -20,12 +15,12 @@ from .helpers import (
     assert_scope_in_float32,
     eqns_named,
     float_dtypes,
+    run_on_eight_devices,
     traced,
 )
 from .models import BatchNormNet, TransformerBlock
 
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 F32 = jnp.dtype(jnp.float32)
 F16 = jnp.dtype(jnp.float16)
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -461,24 +456,7 @@ def test_serialisation_round_trip_continues_bit_for_bit(tmp_path):
 def test_sharded_over_a_mesh_of_eight_devices():
     """Runs tests/_multidevice_bimodel.py on 8 fake CPU devices (the flag must be
     set before JAX is imported, so it runs in a fresh interpreter)."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(ROOT), env.get("PYTHONPATH")])
-    )
-    script = pathlib.Path(__file__).parent / "_multidevice_bimodel.py"
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_on_eight_devices("_multidevice_bimodel.py")
     assert report["devices"] == 8
     for layout in ("replicated", "tensor_parallel"):
         run = report[layout]

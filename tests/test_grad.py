@@ -1,10 +1,6 @@
 import inspect
-import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
@@ -15,7 +11,7 @@ import pytest
 
 import eqx_amp
 
-from .helpers import eqns_named, traced
+from .helpers import eqns_named, run_on_eight_devices, traced
 
 
 F16 = jnp.dtype(jnp.float16)
@@ -389,25 +385,7 @@ def test_axis_name_unbound(model, batch):
 def test_shard_map_on_eight_devices():
     """Runs tests/_multidevice_grad.py on 8 fake CPU devices (the flag must be set
     before JAX is imported, so it runs in a fresh interpreter)."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(ROOT), env.get("PYTHONPATH")])
-    )
-    script = pathlib.Path(__file__).parent / "_multidevice_grad.py"
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_on_eight_devices("_multidevice_grad.py")
     assert report["devices"] == 8
 
     # Every device takes a finite step and agrees on the scale.
