@@ -22,11 +22,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from _models import Task, cross_entropy, replace_norms
 from jaxtyping import PyTree
 
 import eqx_amp
-
-from _models import Task, cross_entropy, replace_norms
 
 
 @dataclasses.dataclass

@@ -44,10 +44,9 @@ _HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(1, str(_HERE.parent))  # the checkout's eqx_amp, installed or not
 
+import _measure  # noqa: E402
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
-
-import _measure  # noqa: E402
 from _models import PRESETS, count_params, cross_entropy, make_task  # noqa: E402
 from _variants import DEFAULT_VARIANTS, EQX_AMP_ONLY, VARIANTS, Variant  # noqa: E402
 

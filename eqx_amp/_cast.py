@@ -32,7 +32,9 @@ def cast_leaf(leaf: Any, dtype: np.dtype) -> Any:
     return leaf
 
 
-def floating_dtype(dtype: Any, argname: str = "dtype", accepted_words: str = "") -> np.dtype:
+def floating_dtype(
+    dtype: Any, argname: str = "dtype", accepted_words: str = ""
+) -> np.dtype:
     """`dtype` as an `np.dtype`, or a `ValueError` naming `argname` if it is not a
     real floating dtype."""
     try:

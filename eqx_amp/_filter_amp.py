@@ -48,9 +48,7 @@ def _cast_values(tree: PyTree, dtype_of: Callable[[np.dtype], np.dtype]) -> PyTr
         return leaf
 
     is_state = lambda x: isinstance(x, STATE_TYPES)  # noqa: E731
-    return jtu.tree_map(
-        lambda x: x if is_state(x) else cast(x), tree, is_leaf=is_state
-    )
+    return jtu.tree_map(lambda x: x if is_state(x) else cast(x), tree, is_leaf=is_state)
 
 
 def _call_at(
@@ -83,9 +81,7 @@ def _boundary_class(cls: type, dtype: np.dtype) -> type:
     hold."""
 
     def __call__(self, *args, **kwargs):
-        return _call_at(
-            ft.partial(cls.__call__, self), args, kwargs, lambda _: dtype
-        )
+        return _call_at(ft.partial(cls.__call__, self), args, kwargs, lambda _: dtype)
 
     namespace = {
         "__call__": __call__,
@@ -142,7 +138,9 @@ def _add_kept_boundaries(tree: PyTree, mask: PyTree[bool], dtype: np.dtype) -> P
 #
 
 
-def _cast_module(tree: PyTree, policy: Policy, filter_spec: FilterSpec | None) -> PyTree:
+def _cast_module(
+    tree: PyTree, policy: Policy, filter_spec: FilterSpec | None
+) -> PyTree:
     spec = default_filter_spec(tree) if filter_spec is None else filter_spec
     mask = selection_mask(tree, spec)
     compute = policy.compute_dtype
@@ -154,7 +152,9 @@ def _cast_module(tree: PyTree, policy: Policy, filter_spec: FilterSpec | None) -
     return _add_kept_boundaries(cast, mask, policy.param_dtype)
 
 
-def _amp_view(fn: Any, policy: Policy, filter_spec: FilterSpec | None, seen: set) -> Any:
+def _amp_view(
+    fn: Any, policy: Policy, filter_spec: FilterSpec | None, seen: set
+) -> Any:
     """`fn` with the floating leaves it holds cast to the compute dtype: the leaves of
     a module, of the object a method is bound to, of the arguments of a
     `functools.partial`, and of the values a closure captures."""
@@ -170,7 +170,10 @@ def _amp_view(fn: Any, policy: Policy, filter_spec: FilterSpec | None, seen: set
         return ft.partial(
             _amp_view(fn.func, policy, filter_spec, seen),
             *(_amp_view(a, policy, filter_spec, seen) for a in fn.args),
-            **{k: _amp_view(v, policy, filter_spec, seen) for k, v in fn.keywords.items()},
+            **{
+                k: _amp_view(v, policy, filter_spec, seen)
+                for k, v in fn.keywords.items()
+            },
         )
     if isinstance(fn, types.FunctionType) and fn.__closure__:
         cells = []
@@ -205,14 +208,12 @@ class _AmpWrapper(FunctionWrapper):
     policy: Policy = eqx.field(static=True)
     filter_spec: FilterSpec | None
 
-
     def __call__(self, *args, **kwargs):
         policy = self.policy
         fn = _amp_view(self.fn, policy, self.filter_spec, set())
         args, kwargs = _cast_module((args, kwargs), policy, None)
         out = fn(*args, **kwargs)
         return _cast_values(out, lambda _: policy.output_dtype)
-
 
 
 def filter_amp(
@@ -291,14 +292,12 @@ def _upcast_to_float32(dtype: np.dtype) -> np.dtype:
 class _FullPrecisionWrapper(FunctionWrapper):
     fn: Callable
 
-
     def __call__(self, *args, **kwargs):
         fn = self.fn
         if isinstance(fn, eqx.Module) or _is_pytree_node(fn):
             fn = _cast_values(fn, _upcast_to_float32)
         with jax.named_scope(FULL_PRECISION_SCOPE):
             return _call_at(fn, args, kwargs, _upcast_to_float32)
-
 
 
 class _FullPrecisionScope:

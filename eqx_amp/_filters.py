@@ -8,7 +8,9 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 
-FilterSpec: TypeAlias = bool | Callable[[Any], bool] | PyTree[bool | Callable[[Any], bool]]
+FilterSpec: TypeAlias = (
+    bool | Callable[[Any], bool] | PyTree[bool | Callable[[Any], bool]]
+)
 
 # Their statistics overflow or lose precision in half precision, and they are a
 # tiny share of the FLOPs, so they run in the parameter dtype by default.
@@ -77,7 +79,9 @@ def default_filter_spec(model: PyTree) -> PyTree[bool]:
     return _spec_keeping(model, _is_kept_by_default)
 
 
-def keep(model: PyTree, *types_or_predicates: type | Callable[[Any], bool]) -> PyTree[bool]:
+def keep(
+    model: PyTree, *types_or_predicates: type | Callable[[Any], bool]
+) -> PyTree[bool]:
     """A filter spec that keeps more submodules in the parameter dtype, on top of
     `default_filter_spec`.
 

@@ -176,7 +176,6 @@ class _ScaledValueAndGradWrapper(FunctionWrapper):
     _redo_on_nan: int = eqx.field(static=True)
     _axis_name: Hashable | None = eqx.field(static=True)
 
-
     @property
     def __signature__(self) -> inspect.Signature:
         return _signature_with_loss_scale(self.fn)
@@ -217,7 +216,6 @@ class _ScaledValueAndGradWrapper(FunctionWrapper):
         return (value, grads), new_loss_scale, grads_finite
 
 
-
 class _ScaledGradWrapper(FunctionWrapper):
     fn: _ScaledValueAndGradWrapper
     _has_aux: bool = eqx.field(static=True)
@@ -231,14 +229,11 @@ class _ScaledGradWrapper(FunctionWrapper):
         return self.fn.__signature__
 
     def __call__(self, /, *args, **kwargs):
-        (value, grads), new_loss_scale, grads_finite = self.fn(
-            *args, **kwargs
-        )
+        (value, grads), new_loss_scale, grads_finite = self.fn(*args, **kwargs)
         if self._has_aux:
             _, aux = value
             return (grads, aux), new_loss_scale, grads_finite
         return grads, new_loss_scale, grads_finite
-
 
 
 def _signature_with_loss_scale(fun: Callable) -> inspect.Signature:

@@ -230,7 +230,9 @@ def _parse_word(word: str, policy: str, what: str) -> np.dtype:
     except TypeError:
         if what == "policy":
             raise ValueError(f"Unknown policy {policy!r}. {_GRAMMAR}") from None
-        raise ValueError(f"Unknown dtype {word!r} in policy {policy!r}. {_GRAMMAR}") from None
+        raise ValueError(
+            f"Unknown dtype {word!r} in policy {policy!r}. {_GRAMMAR}"
+        ) from None
     raise ValueError(
         f"{word!r} in policy {policy!r} is {dtype.name}, not a real floating dtype: "
         "mixed precision only changes floating arrays. Use float16, bfloat16, "

@@ -128,7 +128,9 @@ class PrecisionReport:
 
     @property
     def low_precision_share(self) -> float:
-        return self.low_precision_flops / self.matmul_flops if self.matmul_flops else 0.0
+        return (
+            self.low_precision_flops / self.matmul_flops if self.matmul_flops else 0.0
+        )
 
     def __str__(self) -> str:
         lines = [
@@ -145,7 +147,9 @@ class PrecisionReport:
             lines += ["", "full-precision ops (primitive x count, scope, source):"]
             for site in self.full_precision_ops[:25]:
                 scope = site.scope or "<no scope>"
-                lines.append(f"  {site.primitive} x{site.count}  {scope}  {site.source}")
+                lines.append(
+                    f"  {site.primitive} x{site.count}  {scope}  {site.source}"
+                )
             if len(self.full_precision_ops) > 25:
                 lines.append(f"  ... {len(self.full_precision_ops) - 25} more sites")
         return "\n".join(lines)
@@ -241,7 +245,8 @@ class NonfiniteOp:
 
     def __str__(self) -> str:
         ranges = ", ".join(
-            f"{d}[{lo:.4g}, {hi:.4g}]" for d, (lo, hi) in zip(self.input_dtypes, self.input_ranges)
+            f"{d}[{lo:.4g}, {hi:.4g}]"
+            for d, (lo, hi) in zip(self.input_dtypes, self.input_ranges)
         )
         return (
             f"first non-finite value: `{self.primitive}` in scope "
@@ -295,7 +300,9 @@ def _check(eqn: Any, where: "_Where", invals: list, outvals: list) -> None:
     if _all_finite(outvals) or not _all_finite(invals):
         return
     bad = next(
-        v for v in outvals if eqx.is_array(v) and _floating(v.dtype) and not _all_finite([v])
+        v
+        for v in outvals
+        if eqx.is_array(v) and _floating(v.dtype) and not _all_finite([v])
     )
     floats = [v for v in invals if eqx.is_array(v) and _floating(v.dtype)]
     ranges = tuple(
@@ -342,7 +349,9 @@ def _run(jaxpr: Any, consts: list, args: list, where: _Where) -> list:
         eqn_where = where.enter(eqn)
         runner = _RUNNERS.get(eqn.primitive.name)
         outvals = (
-            runner(eqn, invals, eqn_where) if runner else compat.concrete_bind(eqn, invals)
+            runner(eqn, invals, eqn_where)
+            if runner
+            else compat.concrete_bind(eqn, invals)
         )
         _check(eqn, eqn_where, invals, outvals)
         env.update(zip(eqn.outvars, outvals))

@@ -42,10 +42,10 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import optax
+from _reporting import compiled_memory, fmt_bytes, progress, step_bytes
 from jaxtyping import Array, Float, Int, PyTree
 
 import eqx_amp
-from _reporting import compiled_memory, fmt_bytes, progress, step_bytes
 
 
 DEFAULT_TEXT = pathlib.Path(__file__).resolve().parent / "data" / "alice29.txt"

@@ -44,11 +44,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from _reporting import progress  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int  # noqa: E402
 
 import eqx_amp  # noqa: E402
-from _reporting import progress  # noqa: E402
 
 
 AXIS = "data"

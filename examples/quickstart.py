@@ -31,12 +31,12 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import optax
+from _reporting import compiled_memory, fmt_bytes, progress, step_bytes
 from jaxtyping import Array, Float, Int
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import eqx_amp
-from _reporting import compiled_memory, fmt_bytes, progress, step_bytes
 
 
 #

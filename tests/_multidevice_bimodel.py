@@ -28,7 +28,8 @@ import jax.random as jr  # noqa: E402
 import jax.tree_util as jtu  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import eqx_amp  # noqa: E402
 

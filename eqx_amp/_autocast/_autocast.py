@@ -25,13 +25,11 @@ class _AutocastWrapper(FunctionWrapper):
     policy: Policy = eqx.field(static=True)
     rules: RuleTable = eqx.field(static=True)
 
-
     def __call__(self, *args, **kwargs):
         context = Context(self.rules, self.policy.compute_dtype)
         return interpret_call(
             _call, (self.fn, args, kwargs), context, modules_are_weak=True
         )
-
 
 
 def autocast(

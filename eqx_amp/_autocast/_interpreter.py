@@ -82,7 +82,9 @@ def eval_jaxpr(
     env.update(zip(jaxpr.constvars, consts))
     weak_env.update((v, True) for v in jaxpr.constvars)
     env.update(zip(jaxpr.invars, args))
-    weak_env.update(zip(jaxpr.invars, weak if weak is not None else [False] * len(args)))
+    weak_env.update(
+        zip(jaxpr.invars, weak if weak is not None else [False] * len(args))
+    )
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         in_weak = [is_weak(v) for v in eqn.invars]
@@ -163,7 +165,9 @@ class _CastCache:
         return self._casts[key][1]
 
 
-def _eval_equation(eqn: Any, invals: list, in_weak: list[bool], ctx: Context, casts: _CastCache):
+def _eval_equation(
+    eqn: Any, invals: list, in_weak: list[bool], ctx: Context, casts: _CastCache
+):
     handler = _HIGHER_ORDER.get(eqn.primitive.name)
     if handler is not None:
         outs, out_weak = handler(eqn, invals, in_weak, ctx)
@@ -197,7 +201,9 @@ def _floating_positions(values: Sequence[Any]) -> list[int]:
     return [i for i, v in enumerate(values) if is_floating_array(v)]
 
 
-def _agree_if_they_did(invals: list, original: list[np.dtype], weak: list[bool]) -> list:
+def _agree_if_they_did(
+    invals: list, original: list[np.dtype], weak: list[bool]
+) -> list:
     """An op no rule covers runs on the dtypes that reach it, but where its floating
     operands had one dtype in the original program (as lax requires of most
     multi-operand ops), they are promoted to agree again."""
@@ -225,7 +231,9 @@ def _fix_dtype_params(eqn: Any, invals: list, params: dict) -> dict:
     if preferred is not None and jnp.issubdtype(preferred, jnp.floating):
         original_floating = [d for d in original if jnp.issubdtype(d, jnp.floating)]
         with jax.numpy_dtype_promotion("standard"):
-            original_widest = jnp.result_type(*original_floating) if original_floating else None
+            original_widest = (
+                jnp.result_type(*original_floating) if original_floating else None
+            )
         # Only the default accumulation type follows the inputs; one the user asked
         # for explicitly (bf16 x bf16 -> f32, say) is honoured.
         if original_widest is not None and jnp.dtype(preferred) == original_widest:
@@ -311,7 +319,11 @@ def _scan(eqn, invals, in_weak, ctx):
     init = cast_to(invals[num_consts : num_consts + num_carry], carry_dtypes)
     xs = invals[num_consts + num_carry :]
     # Carries are treated as data: their weakness could change between iterations.
-    body_weak = [*in_weak[:num_consts], *[False] * num_carry, *in_weak[num_consts + num_carry :]]
+    body_weak = [
+        *in_weak[:num_consts],
+        *[False] * num_carry,
+        *in_weak[num_consts + num_carry :],
+    ]
     ys_weak: list[bool] = []
 
     def body(carry, x):
@@ -334,13 +346,20 @@ def _while(eqn, invals, in_weak, ctx):
     carry_dtypes = _dtypes(carry_vars)
     init = cast_to(invals[cond_nconsts + body_nconsts :], carry_dtypes)
     cond_weak = [*in_weak[:cond_nconsts], *_strong(carry_vars)]
-    body_weak = [*in_weak[cond_nconsts : cond_nconsts + body_nconsts], *_strong(carry_vars)]
+    body_weak = [
+        *in_weak[cond_nconsts : cond_nconsts + body_nconsts],
+        *_strong(carry_vars),
+    ]
 
     def cond_fun(carry):
-        return eval_closed(eqn.params["cond_jaxpr"], [*cond_consts, *carry], ctx, cond_weak)[0][0]
+        return eval_closed(
+            eqn.params["cond_jaxpr"], [*cond_consts, *carry], ctx, cond_weak
+        )[0][0]
 
     def body_fun(carry):
-        outs, _ = eval_closed(eqn.params["body_jaxpr"], [*body_consts, *carry], ctx, body_weak)
+        outs, _ = eval_closed(
+            eqn.params["body_jaxpr"], [*body_consts, *carry], ctx, body_weak
+        )
         return cast_to(outs, carry_dtypes)
 
     outs = lax.while_loop(cond_fun, body_fun, init)
@@ -369,7 +388,9 @@ def _custom_jvp(eqn, invals, in_weak, ctx):
     if params.get("symbolic_zeros"):
         # Such rules receive zeros as objects and cannot be re-traced at other
         # dtypes: call them at the dtypes they were written for.
-        return _custom_jvp_at_traced_dtypes(eqn, invals, ctx, params, fun, jvp), out_weak
+        return _custom_jvp_at_traced_dtypes(
+            eqn, invals, ctx, params, fun, jvp
+        ), out_weak
 
     def new_fun(*args):
         return eval_closed(call_jaxpr, args, ctx, in_weak)[0]
@@ -386,7 +407,9 @@ def _custom_jvp(eqn, invals, in_weak, ctx):
         ]
         rule = jax.make_jaxpr(ft.partial(compat.call_wrapped, jvp))(*written_for)
         outs, _ = eval_closed(rule, primals_and_tangents, ctx)
-        primal_dtypes = [s.dtype for s in jax.eval_shape(new_fun, *primals_and_tangents[:n])]
+        primal_dtypes = [
+            s.dtype for s in jax.eval_shape(new_fun, *primals_and_tangents[:n])
+        ]
         half = len(outs) // 2
         return cast_to(outs[:half], primal_dtypes) + cast_to(outs[half:], primal_dtypes)
 

@@ -72,7 +72,9 @@ def equation_context(eqn: Any) -> Iterator[None]:
     does."""
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     manager = getattr(getattr(eqn, "ctx", None), "manager", contextlib.nullcontext())
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+    with source_info_util.user_context(
+        eqn.source_info.traceback, name_stack=name_stack
+    ):
         with manager:
             yield
 

@@ -60,9 +60,13 @@ class BuiltinRule:
         self.__doc__ = doc
 
     def __call__(self, compute_dtype, original_dtypes, *invals, **params):
-        return self.cast(compute_dtype, original_dtypes, invals, [False] * len(invals)), params
+        return self.cast(
+            compute_dtype, original_dtypes, invals, [False] * len(invals)
+        ), params
 
-    def cast(self, compute_dtype, original_dtypes, invals, weak, cast=None) -> list[Any]:
+    def cast(
+        self, compute_dtype, original_dtypes, invals, weak, cast=None
+    ) -> list[Any]:
         """The inputs cast by this rule; `weak` marks the parameter-derived ones, and
         `cast(value, dtype)` does the casting (the interpreter passes one that casts
         each value once)."""
@@ -129,7 +133,12 @@ def _primitive(name: str) -> Any | None:
     return getattr(lax, f"{name}_p", None)
 
 
-_LOW_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
+_LOW_PRIMITIVES = (
+    "dot_general",
+    "conv_general_dilated",
+    "ragged_dot",
+    "ragged_dot_general",
+)
 _FULL_PRIMITIVES = (
     "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt", "tan",
     "sinh", "cosh", "asin", "acos", "erf_inv", "reduce_sum", "reduce_prod",
@@ -144,7 +153,12 @@ _PROMOTE_PRIMITIVES = (
 
 # Equinox's normalisation layers open these named scopes: their statistics must be
 # computed in float32. Code under `full_precision()` keeps its traced dtypes.
-NORM_SCOPES = ("eqx.nn.LayerNorm", "eqx.nn.RMSNorm", "eqx.nn.GroupNorm", "eqx.nn.BatchNorm")
+NORM_SCOPES = (
+    "eqx.nn.LayerNorm",
+    "eqx.nn.RMSNorm",
+    "eqx.nn.GroupNorm",
+    "eqx.nn.BatchNorm",
+)
 
 
 def _default_rules() -> dict[Any, Any]:
@@ -195,7 +209,9 @@ class RuleTable:
                     f"rules, but got {type(rules).__name__}."
                 )
             for key, rule in rules.items():
-                if not (isinstance(key, str) or isinstance(key, jax.extend.core.Primitive)):
+                if not (
+                    isinstance(key, str) or isinstance(key, jax.extend.core.Primitive)
+                ):
                     raise TypeError(_BAD_KEY.format(key, type(key).__name__))
                 if not callable(rule):
                     raise ValueError(_BAD_VALUE.format(key, rule))
