@@ -42,3 +42,20 @@ def fmt_bytes(n: int | None) -> str:
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+
+
+def print_memory_analysis(results: list[dict]) -> None:
+    """One line per variant: the sizes `compiled.memory_analysis()` reported."""
+    print()
+    print("compiled.memory_analysis() of the training step:")
+    width = max(len(r["name"]) for r in results)
+    for r in results:
+        m = r["memory"]
+        if m is None:
+            print(f"  {r['name']:>{width}}: n/a (this backend reports no memory analysis)")
+            continue
+        print(
+            f"  {r['name']:>{width}}: argument {fmt_bytes(m['argument'])}, "
+            f"output {fmt_bytes(m['output'])}, temp {fmt_bytes(m['temp'])} "
+            f"(alias {fmt_bytes(m['alias'])}, code {fmt_bytes(m['generated_code'])})"
+        )

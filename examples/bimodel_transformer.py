@@ -42,7 +42,13 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import optax
-from _reporting import compiled_memory, fmt_bytes, progress, step_bytes
+from _reporting import (
+    compiled_memory,
+    fmt_bytes,
+    print_memory_analysis,
+    progress,
+    step_bytes,
+)
 from jaxtyping import Array, Float, Int, PyTree
 
 import eqx_amp
@@ -326,18 +332,8 @@ def ratio(a, b) -> str:
 
 
 def print_summary(results: list[dict]) -> None:
-    print()
-    print("compiled.memory_analysis() of the training step:")
-    for r in results:
-        m = r["memory"]
-        if m is None:
-            print(f"  {r['name']:>7}: n/a (this backend reports no memory analysis)")
-        else:
-            print(
-                f"  {r['name']:>7}: argument {fmt_bytes(m['argument'])}, output "
-                f"{fmt_bytes(m['output'])}, temp {fmt_bytes(m['temp'])} (alias "
-                f"{fmt_bytes(m['alias'])}, code {fmt_bytes(m['generated_code'])})"
-            )
+    print_memory_analysis(results)
+
     header = (
         f"{'variant':<8} | {'train loss':>10} | {'val loss':>8} | {'step memory':>11} | "
         f"{'saved activations':>17} | {'gradient tree':>13} | {'weights':>9} | "

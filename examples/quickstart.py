@@ -31,7 +31,13 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import optax
-from _reporting import compiled_memory, fmt_bytes, progress, step_bytes
+from _reporting import (
+    compiled_memory,
+    fmt_bytes,
+    print_memory_analysis,
+    progress,
+    step_bytes,
+)
 from jaxtyping import Array, Float, Int
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -233,19 +239,7 @@ def make_batch_orders(
 
 
 def print_summary(results: list[dict]) -> None:
-    print()
-    print("compiled.memory_analysis() of the training step:")
-    for r in results:
-        m = r["memory"]
-        if m is None:
-            print(f"  {r['name']:>5}: n/a (this backend reports no memory analysis)")
-        else:
-            print(
-                f"  {r['name']:>5}: argument {fmt_bytes(m['argument'])}, "
-                f"output {fmt_bytes(m['output'])}, temp {fmt_bytes(m['temp'])} "
-                f"(alias {fmt_bytes(m['alias'])}, "
-                f"code {fmt_bytes(m['generated_code'])})"
-            )
+    print_memory_analysis(results)
 
     header = (
         f"{'variant':<8} | {'test accuracy':>13} | {'final train loss':>16} | "
