@@ -10,7 +10,9 @@
   instructions (lines with ` = `), `convert`s, and `dot`/`convolution` ops, with
   how many of them take a half-precision (bf16/f16) operand. (XLA's CPU backend
   upcasts half matmuls to float32, so on a CPU the compiled count of half matmuls
-  is 0 for every variant; the program count shows what was asked for.)
+  is 0 for every variant; the program count shows what was asked for.) Also a
+  `signature` of the instructions, to tell when two variants compiled the same
+  program.
 - `saved_residuals`: the forward values kept for the backward pass, independent of
   the backend: `jax.vjp(loss_of, diff_args)` under `jax.eval_shape`, and the leaves
   of the returned VJP function, which are exactly its residuals (the differentiated
@@ -19,6 +21,7 @@
 """
 
 import collections
+import hashlib
 import re
 import time
 from collections.abc import Callable
@@ -98,7 +101,23 @@ def hlo_stats(text: str) -> dict:
         "converts": sum(" convert(" in line for line in lines),
         "matmuls": matmuls,
         "half_matmuls": half_matmuls,
+        "signature": program_signature(lines),
     }
+
+
+_SHAPED_OP = re.compile(r"=\s*(\S+)\s+([a-z][a-z0-9\-]*)\(")
+
+
+def program_signature(lines: list[str]) -> str:
+    """A hash of the program's instructions as (result shape, opcode) pairs, names
+    and source metadata left out: two variants with the same signature compiled the
+    same program, so their compile and step times differ only by noise."""
+    shaped_ops = collections.Counter()
+    for line in lines:
+        m = _SHAPED_OP.search(line)
+        if m:
+            shaped_ops[m.groups()] += 1
+    return hashlib.sha1(repr(sorted(shaped_ops.items())).encode()).hexdigest()[:16]
 
 
 def saved_residuals(loss_of: Callable, diff_args: PyTree) -> dict:

@@ -42,7 +42,7 @@ class Built:
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
-    family: str  # "baseline", "eqx_amp", "experiment" or "peer"
+    family: str  # "baseline", "eqx_amp" or "peer"
     dtype: str  # compute dtype: "f32", "bf16", "f16"
     scaling: str  # how the loss is scaled and non-finite steps handled
     build: Callable[[Task], Built]
@@ -187,16 +187,10 @@ def filter_amp(dtype: str):
     return build
 
 
-def autocast(dtype: str, rules=None, cast_params: bool = False):
+def autocast(dtype: str):
     def build(task: Task) -> Built:
         def loss_fn(model, x, y):
-            if cast_params:  # the experiment: cast at the boundary, as filter_amp does,
-                # so that the traced program (and Equinox's norm layers, which cast
-                # their output back to their input's dtype) sees half precision
-                spec = eqx_amp.default_filter_spec(model)
-                model = eqx_amp.cast_tree(model, _HALF[dtype], spec)
-                x = eqx_amp.cast_tree(x, _HALF[dtype])
-            forward = eqx_amp.autocast(model, policy=_POLICY[dtype], rules=rules)
+            forward = eqx_amp.autocast(model, policy=_POLICY[dtype])
             return cross_entropy(jax.vmap(forward)(x), y)
 
         return (_plain_step if dtype == "bf16" else _scaled_step)(task, loss_fn)
@@ -424,15 +418,8 @@ VARIANTS: dict[str, Variant] = {
             "jaxamp_bf16", "peer", "bf16", "dynamic+redo", jaxamp_variant("bf16"),
             requires="jaxamp", package="jaxamp",
         ),
-        # Not run by default: autocast over a model already cast at its boundary, as
-        # filter_amp does, so Equinox's norm layers hand back half precision. It
-        # measures what keeping norm outputs in float32 costs plain autocast.
-        Variant(
-            "autocast_boundary_bf16", "experiment", "bf16", "none",
-            autocast("bf16", cast_params=True),
-        ),
     ]
 }  # fmt: skip
 
-DEFAULT_VARIANTS = tuple(n for n, v in VARIANTS.items() if v.family != "experiment")
+DEFAULT_VARIANTS = tuple(VARIANTS)
 EQX_AMP_ONLY = tuple(n for n, v in VARIANTS.items() if v.family in ("baseline", "eqx_amp"))

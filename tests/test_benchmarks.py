@@ -57,4 +57,14 @@ def test_benchmark_runs(tmp_path):
             hlo = model["variants"][name]["hlo_program"]
             assert hlo["half_matmuls"] == hlo["matmuls"] > 0
         assert model["variants"]["fp32"]["hlo_program"]["half_matmuls"] == 0
-    assert {c["status"] for c in report["targets"]} <= {"PASS", "LAG", "INFO", "n/a"}
+        # filter_amp compiles exactly the program written by hand.
+        signature = {n: r["hlo_compiled"]["signature"] for n, r in model["variants"].items()}
+        assert signature["filter_amp_bf16"] == signature["hand_bf16"] != signature["fp32"]
+    # On the CNN, so does autocast: its norms hand back bfloat16 as the hand-cast
+    # model's do.
+    cnn = report["models"]["cnn"]["variants"]
+    assert cnn["autocast_bf16"]["hlo_compiled"]["signature"] == (
+        cnn["hand_bf16"]["hlo_compiled"]["signature"]
+    )
+    statuses = {c["status"] for c in report["targets"]}
+    assert statuses <= {"PASS", "LAG", "INFO", "SAME", "n/a"}

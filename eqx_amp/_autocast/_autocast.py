@@ -48,7 +48,9 @@ def autocast(
     `custom_jvp`, `custom_vjp`, `scan`, `while`, `cond`, `checkpoint`, `shard_map`),
     so nothing in a real model escapes it. Loop carries keep their dtypes, explicit
     casts (`x.astype(jnp.float32)`) are honoured, custom derivative rules stay in
-    use, and the outputs have the dtypes `fn` returns without autocast.
+    use, and the outputs have the dtypes `fn` returns without autocast. Equinox's
+    norm layers compute in float32; LayerNorm, RMSNorm and GroupNorm hand back the
+    dtype their input arrived in, as they do when called on it directly.
 
     **Arguments:**
 

@@ -32,7 +32,12 @@ from jax import lax
 
 from .._cast import is_floating_array
 from . import _jax_compat as compat
-from ._rules import BuiltinRule, RuleTable, promotion_dtypes
+from ._rules import (
+    LAYERS_RETURNING_INPUT_DTYPE,
+    BuiltinRule,
+    RuleTable,
+    promotion_dtypes,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +45,13 @@ class Context:
     rules: RuleTable
     compute_dtype: np.dtype
     scopes: tuple[str, ...] = ()
+    # Inside a backward pass that `fn` itself takes (`autocast(jax.grad(f))`).
+    transposed: bool = False
 
-    def inside(self, scopes: tuple[str, ...]) -> "Context":
-        return dataclasses.replace(self, scopes=self.scopes + scopes)
+    def inside(self, scopes: tuple[str, ...], transposed: bool = False) -> "Context":
+        return dataclasses.replace(
+            self, scopes=self.scopes + scopes, transposed=self.transposed or transposed
+        )
 
 
 def cast_to(values: Sequence[Any], dtypes: Sequence[np.dtype]) -> list[Any]:
@@ -85,12 +94,17 @@ def eval_jaxpr(
     weak_env.update(
         zip(jaxpr.invars, weak if weak is not None else [False] * len(args))
     )
+    layer_calls = _LayerCalls(ctx)
     for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
         in_weak = [is_weak(v) for v in eqn.invars]
-        eqn_ctx = ctx.inside(compat.scope_names(eqn))
+        eqn_ctx = ctx.inside(compat.scope_names(eqn), compat.is_transposed(eqn))
+        call = layer_calls.call_of(eqn, eqn_ctx)
+        invals = layer_calls.read(
+            eqn.invars, [read(v) for v in eqn.invars], in_weak, call, casts
+        )
         with compat.equation_context(eqn):
             outvals, out_weak = _eval_equation(eqn, invals, in_weak, eqn_ctx, casts)
+        layer_calls.made(eqn.outvars, call)
         env.update(zip(eqn.outvars, outvals))
         weak_env.update(zip(eqn.outvars, out_weak))
     return [read(v) for v in jaxpr.outvars], [is_weak(v) for v in jaxpr.outvars]
@@ -136,6 +150,93 @@ def interpret_call(
     outs, _ = eval_closed(closed, leaves, ctx, weak)
     outs = cast_to(outs, [s.dtype for s in flat_shapes])
     return eqx.combine(jtu.tree_unflatten(out_treedef, outs), static_out[0])
+
+
+class _LayerCall:
+    """One call of a layer that hands back its input's dtype: the dtypes of the data
+    that entered it."""
+
+    def __init__(self):
+        self.entered: list[np.dtype] = []
+
+    def return_dtype(self) -> np.dtype | None:
+        if not self.entered:
+            return None
+        with jax.numpy_dtype_promotion("standard"):
+            return jnp.dtype(jnp.result_type(*self.entered))
+
+
+# Marks an equation that neither belongs to a layer call nor reads one's outputs as
+# an outsider: a backward-pass equation, which must see the forward values as the
+# layer computed them.
+_UNINVOLVED: Any = object()
+
+
+class _LayerCalls:
+    """Restores the `out.astype(orig_dtype)` with which Equinox's LayerNorm, RMSNorm
+    and GroupNorm end. In the traced float32 program that cast is the identity, so
+    it is not in the jaxpr; without it a norm computed in float32 under its `FULL`
+    scope would hand float32 to the ops after it (a ReLU would then save float32
+    activations where the same model cast by hand saves bfloat16).
+
+    A run of equations under one such scope is one call of the layer. A value made
+    in a call and read by a forward-pass equation outside it is cast to the dtype of
+    the data that entered the call, as the layer itself does when given that data.
+    Parameters do not count as entering data (they are weak), and a call that no
+    data entered returns what it computed."""
+
+    def __init__(self, ctx: Context):
+        self._active = not ctx.transposed and not any(
+            scope in LAYERS_RETURNING_INPUT_DTYPE for scope in ctx.scopes
+        )
+        self._open: tuple[tuple[str, ...], _LayerCall] | None = None
+        self._made_in: dict[Any, _LayerCall] = {}
+
+    def call_of(self, eqn: Any, eqn_ctx: Context) -> _LayerCall | None:
+        """The layer call `eqn` belongs to, `None` outside any, or `_UNINVOLVED`."""
+        if not self._active or eqn_ctx.transposed:
+            self._open = None
+            return _UNINVOLVED
+        scopes = compat.scope_names(eqn)
+        for depth, scope in enumerate(scopes):
+            if scope in LAYERS_RETURNING_INPUT_DTYPE:
+                key = scopes[: depth + 1]
+                if self._open is None or self._open[0] != key:
+                    self._open = (key, _LayerCall())
+                return self._open[1]
+        self._open = None
+        return None
+
+    def read(
+        self,
+        atoms: Sequence[Any],
+        values: list,
+        weak: Sequence[bool],
+        call: _LayerCall | None,
+        cast: Callable,
+    ) -> list:
+        if call is _UNINVOLVED:
+            return values
+        out = []
+        for atom, value, is_weak in zip(atoms, values, weak):
+            made_in = (
+                None if isinstance(atom, compat.Literal) else self._made_in.get(atom)
+            )
+            if made_in is not None and made_in is not call:
+                value = cast(value, made_in.return_dtype())
+            if (
+                call is not None
+                and made_in is not call
+                and not is_weak
+                and is_floating_array(value)
+            ):
+                call.entered.append(value.dtype)
+            out.append(value)
+        return out
+
+    def made(self, atoms: Sequence[Any], call: _LayerCall | None) -> None:
+        if call is not None and call is not _UNINVOLVED:
+            self._made_in.update((atom, call) for atom in atoms)
 
 
 #

@@ -64,6 +64,12 @@ def scope_names(eqn: Any) -> tuple[str, ...]:
     return tuple(names)
 
 
+def is_transposed(eqn: Any) -> bool:
+    """Whether an equation belongs to a backward pass (`jax.grad` traced inside the
+    function): JAX marks those name stacks `transpose(...)`."""
+    return "transpose(" in str(eqn.source_info.name_stack)
+
+
 @contextlib.contextmanager
 def equation_context(eqn: Any) -> Iterator[None]:
     """Re-binds under the equation's own source line and named scopes (so the new

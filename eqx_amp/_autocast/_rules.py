@@ -160,6 +160,15 @@ NORM_SCOPES = (
     "eqx.nn.BatchNorm",
 )
 
+# The norm layers among them end with `out.astype(orig_dtype)`: they hand back the
+# dtype their input arrived in, and under autocast they still do (BatchNorm promotes
+# with its float32 running statistics instead).
+LAYERS_RETURNING_INPUT_DTYPE = (
+    "eqx.nn.LayerNorm",
+    "eqx.nn.RMSNorm",
+    "eqx.nn.GroupNorm",
+)
+
 
 def _default_rules() -> dict[Any, Any]:
     rules: dict[Any, Any] = {}
