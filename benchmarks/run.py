@@ -49,7 +49,7 @@ from _variants import DEFAULT_VARIANTS, EQX_AMP_ONLY, VARIANTS, Variant  # noqa:
 
 
 STEPS = {"tiny": 3, "cpu": 12, "gpu": 30}
-REPEATS = {"tiny": 1, "cpu": 2, "gpu": 1}
+REPEATS = {"tiny": 1, "cpu": 3, "gpu": 1}
 MiB = 2**20
 
 # DESIGN.md, "Performance targets".

@@ -1,5 +1,7 @@
 """Casting pytrees: only real floating arrays are ever touched."""
 
+import functools as ft
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -93,10 +95,20 @@ def cast_tree(tree: PyTree, dtype: Any, filter_spec: FilterSpec = True) -> PyTre
 
 def widest_floating_dtype(tree: PyTree) -> np.dtype | None:
     """The widest dtype among the floating arrays of `tree`, or `None` if it has none."""
-    dtypes = {leaf.dtype for leaf in jtu.tree_leaves(tree) if is_floating_array(leaf)}
-    if not dtypes:
-        return None
-    # Standard promotion on purpose: bfloat16 and float16 widen to float32, and a
-    # user's strict-promotion setting must not turn this bookkeeping into an error.
+    return widest_dtype(
+        leaf.dtype for leaf in jtu.tree_leaves(tree) if is_floating_array(leaf)
+    )
+
+
+def widest_dtype(dtypes: Iterable[Any]) -> np.dtype | None:
+    """The dtype `dtypes` promote to (bfloat16 and float16 give float32), or `None`
+    for none. Standard promotion on purpose: a user's strict-promotion setting must not
+    turn this bookkeeping into an error."""
+    dtypes = frozenset(jnp.dtype(d) for d in dtypes)
+    return _promote(dtypes) if dtypes else None
+
+
+@ft.cache  # `jnp.result_type` costs ~0.2 ms, and autocast asks once per op
+def _promote(dtypes: frozenset[np.dtype]) -> np.dtype:
     with jax.numpy_dtype_promotion("standard"):
         return jnp.dtype(jnp.result_type(*dtypes))

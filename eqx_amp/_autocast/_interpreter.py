@@ -30,7 +30,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 
-from .._cast import is_floating_array
+from .._cast import is_floating_array, widest_dtype
 from . import _jax_compat as compat
 from ._rules import (
     LAYERS_RETURNING_INPUT_DTYPE,
@@ -160,10 +160,7 @@ class _LayerCall:
         self.entered: list[np.dtype] = []
 
     def return_dtype(self) -> np.dtype | None:
-        if not self.entered:
-            return None
-        with jax.numpy_dtype_promotion("standard"):
-            return jnp.dtype(jnp.result_type(*self.entered))
+        return widest_dtype(self.entered)
 
 
 # Marks an equation that neither belongs to a layer call nor reads one's outputs as
@@ -313,8 +310,7 @@ def _agree_if_they_did(
         return invals
     if len({invals[i].dtype for i in positions}) == 1:
         return invals
-    with jax.numpy_dtype_promotion("standard"):
-        target = jnp.result_type(*promotion_dtypes(invals, weak))
+    target = widest_dtype(promotion_dtypes(invals, weak))
     return [
         lax.convert_element_type(v, target) if i in positions else v
         for i, v in enumerate(invals)
@@ -326,15 +322,12 @@ def _fix_dtype_params(eqn: Any, invals: list, params: dict) -> dict:
     floating_in = [v.dtype for v in invals if is_floating_array(v)]
     if not floating_in:
         return params
-    with jax.numpy_dtype_promotion("standard"):
-        widest = jnp.dtype(jnp.result_type(*floating_in))
+    widest = widest_dtype(floating_in)
     preferred = params.get("preferred_element_type")
     if preferred is not None and jnp.issubdtype(preferred, jnp.floating):
-        original_floating = [d for d in original if jnp.issubdtype(d, jnp.floating)]
-        with jax.numpy_dtype_promotion("standard"):
-            original_widest = (
-                jnp.result_type(*original_floating) if original_floating else None
-            )
+        original_widest = widest_dtype(
+            d for d in original if jnp.issubdtype(d, jnp.floating)
+        )
         # Only the default accumulation type follows the inputs; one the user asked
         # for explicitly (bf16 x bf16 -> f32, say) is honoured.
         if original_widest is not None and jnp.dtype(preferred) == original_widest:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._cast import is_floating_array
+from .._cast import is_floating_array, widest_dtype
 from .._filter_amp import FULL_PRECISION_SCOPE
 
 
@@ -16,14 +16,6 @@ from .._filter_amp import FULL_PRECISION_SCOPE
 # inputs had when the function was traced, and the inputs as they arrive now, and
 # returns the inputs (cast as it likes) and the primitive's params.
 RuleFn = Callable[..., tuple[Sequence[Any], dict]]
-
-
-def _widest(dtypes: Sequence[np.dtype]) -> np.dtype | None:
-    dtypes = list(dict.fromkeys(dtypes))
-    if not dtypes:
-        return None
-    with jax.numpy_dtype_promotion("standard"):
-        return jnp.dtype(jnp.result_type(*dtypes))
 
 
 def _floating_dtypes(values: Sequence[Any]) -> list[np.dtype]:
@@ -88,7 +80,7 @@ class BuiltinRule:
 
 
 def _upcast_to_float32(dtype: np.dtype) -> np.dtype:
-    return _widest([dtype, jnp.dtype(jnp.float32)])
+    return widest_dtype([dtype, jnp.dtype(jnp.float32)])
 
 
 LOW = BuiltinRule(
@@ -104,7 +96,7 @@ FULL = BuiltinRule(
 )
 PROMOTE = BuiltinRule(
     "PROMOTE",
-    lambda compute, original, current, all_current: _widest(all_current),
+    lambda compute, original, current, all_current: widest_dtype(all_current),
     "Casts floating inputs to the widest floating dtype among the data-derived "
     "inputs (binary and n-ary elementwise ops, which need their operands to agree); "
     "parameters and constants follow, as weakly typed values do in JAX.",
