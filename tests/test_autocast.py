@@ -465,6 +465,7 @@ def test_default_rules_table():
               lax.clamp_p, lax.atan2_p, lax.dynamic_update_slice_p, lax.scatter_add_p):
         assert eqx_amp.DEFAULT_RULES[p] is eqx_amp.PROMOTE, p
     assert eqx_amp.DEFAULT_RULES[lax.integer_pow_p] is eqx_amp.DEFAULT_RULES[lax.logistic_p]
+    assert eqx_amp.DEFAULT_RULES[lax.gather_p] is eqx_amp.DEFAULT_RULES[lax.dynamic_slice_p]
     assert eqx_amp.DEFAULT_RULES["eqx.nn.LayerNorm"] is eqx_amp.FULL
     assert eqx_amp.DEFAULT_RULES["eqx_amp.full_precision"] is eqx_amp.KEEP
     assert repr(eqx_amp.LOW) == "eqx_amp.LOW"
@@ -699,6 +700,49 @@ def test_data_is_strong_parameters_and_constants_are_weak(getkey):
     # Parameters meeting parameters keep their own dtype.
     params_only = traced(eqx_amp.autocast(lambda m: m.weight + m.bias), linear)
     assert _ops_in(params_only, "add") == [[F32, F32]]
+
+
+def test_embedding_lookups_are_activations(getkey):
+    """A parameter table read at positions the data chooses (`eqx.nn.Embedding`,
+    vmapped or not) is read in the compute dtype, so a transformer's residual stream
+    is bfloat16, as in a model cast by hand. Lookups of data and slices at constant
+    positions are not cast, and `KEEP` gives float32 lookups back."""
+    embed = eqx.nn.Embedding(32, 16, key=getkey())
+    positions = jr.normal(getkey(), (8, 16))
+    linear = eqx.nn.Linear(16, 16, key=getkey())
+    tokens = jr.randint(getkey(), (8,), 0, 32)
+
+    def residual_stream(tokens):
+        x = jax.vmap(embed)(tokens) + positions
+        return x + jax.vmap(linear)(x)
+
+    def float_adds(jaxpr):
+        return [d for d in _ops_in(jaxpr, "add") if jnp.issubdtype(d[0], jnp.floating)]
+
+    amp = eqx_amp.autocast(residual_stream)
+    (gather, _), = eqns_named(traced(amp, tokens), "gather")
+    assert in_dtypes(gather)[0] == BF16
+    assert float_adds(traced(amp, tokens)) == [[BF16, BF16]] * 3
+    assert amp(tokens).dtype == F32
+    assert _rel_error(amp(tokens), residual_stream(tokens)) < 2e-2
+
+    one_token = traced(eqx_amp.autocast(embed), tokens[0])
+    (dynamic_slice, _), = eqns_named(one_token, "dynamic_slice")
+    assert in_dtypes(dynamic_slice)[0] == BF16
+
+    keep = {lax.gather_p: eqx_amp.KEEP, lax.dynamic_slice_p: eqx_amp.KEEP}
+    kept = traced(eqx_amp.autocast(residual_stream, rules=keep), tokens)
+    assert float_adds(kept)[0] == [F32, F32]
+
+    x = jr.normal(getkey(), (8, 16))
+    data_lookup = traced(eqx_amp.autocast(lambda x, i: x[i] @ positions.T), x, tokens)
+    (gather, _), = eqns_named(data_lookup, "gather")
+    assert in_dtypes(gather)[0] == F32
+    constant_slice = traced(
+        eqx_amp.autocast(lambda m: lax.dynamic_slice_in_dim(m.weight, 2, 4)), embed
+    )
+    (dynamic_slice, _), = eqns_named(constant_slice, "dynamic_slice")
+    assert in_dtypes(dynamic_slice)[0] == F32
 
 
 def test_custom_jvp_with_symbolic_zeros_runs_at_its_traced_dtypes(getkey):

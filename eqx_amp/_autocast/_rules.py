@@ -111,6 +111,26 @@ KEEP = BuiltinRule(
 BUILTIN_RULES = (LOW, FULL, PROMOTE, KEEP)
 
 
+class _ParameterLookup(BuiltinRule):
+    """The rule of `gather` and `dynamic_slice`: a parameter table read at positions
+    chosen by the data (an embedding lookup) is an activation, so it is read in the
+    compute dtype, as from a model cast by hand. Lookups of data, and slices of a
+    parameter at constant positions, are not cast."""
+
+    def cast(self, compute_dtype, original_dtypes, invals, weak, cast=None):
+        cast = _cast if cast is None else cast
+        table, *positions = invals
+        if weak[0] and not all(weak[1:]):
+            table = cast(table, compute_dtype)
+        return [table, *positions]
+
+    def __repr__(self) -> str:
+        return "eqx_amp.DEFAULT_RULES[jax.lax.gather_p]"
+
+
+LOOKUP = _ParameterLookup("LOOKUP", None, _ParameterLookup.__doc__)
+
+
 def _full_for_float16(compute_dtype, original_dtypes, *invals, **params):
     """For ops whose trouble in half precision is float16's range, not its precision:
     `x**3` (in GELU) overflows float16 from x = 41, and `logistic` saturates to
@@ -176,6 +196,8 @@ def _default_rules() -> dict[Any, Any]:
     add_any = getattr(jax.extend.core.primitives, "add_jaxvals_p", None)
     if add_any is not None:
         rules[add_any] = PROMOTE
+    rules[lax.gather_p] = LOOKUP
+    rules[lax.dynamic_slice_p] = LOOKUP
     rules[lax.logistic_p] = _full_for_float16
     rules[lax.integer_pow_p] = _full_for_float16
     for scope in NORM_SCOPES:
