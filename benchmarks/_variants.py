@@ -176,26 +176,25 @@ def hand(dtype: str):
 #
 
 
-def filter_amp(dtype: str):
-    def build(task: Task) -> Built:
-        def loss_fn(model, x, y):
-            amp_model = eqx_amp.filter_amp(model, policy=_POLICY[dtype])
-            return cross_entropy(jax.vmap(amp_model)(x), y)
+def wrapped(wrap: Callable):
+    """A variant that calls `jax.vmap(wrap(model, policy=...))` inside the loss:
+    `eqx_amp.filter_amp` or `eqx_amp.autocast`."""
 
-        return (_plain_step if dtype == "bf16" else _scaled_step)(task, loss_fn)
+    def variant(dtype: str):
+        def build(task: Task) -> Built:
+            def loss_fn(model, x, y):
+                forward = wrap(model, policy=_POLICY[dtype])
+                return cross_entropy(jax.vmap(forward)(x), y)
 
-    return build
+            return (_plain_step if dtype == "bf16" else _scaled_step)(task, loss_fn)
+
+        return build
+
+    return variant
 
 
-def autocast(dtype: str):
-    def build(task: Task) -> Built:
-        def loss_fn(model, x, y):
-            forward = eqx_amp.autocast(model, policy=_POLICY[dtype])
-            return cross_entropy(jax.vmap(forward)(x), y)
-
-        return (_plain_step if dtype == "bf16" else _scaled_step)(task, loss_fn)
-
-    return build
+filter_amp = wrapped(eqx_amp.filter_amp)
+autocast = wrapped(eqx_amp.autocast)
 
 
 def bimodel(dtype: str):
