@@ -1,5 +1,7 @@
 """Automatic mixed precision for JAX, native to Equinox."""
 
+import importlib.metadata
+
 from ._autocast._autocast import autocast as autocast
 from ._autocast._rules import DEFAULT_RULES as DEFAULT_RULES
 from ._autocast._rules import FULL as FULL
@@ -29,4 +31,4 @@ from ._report import find_nonfinite as find_nonfinite
 from ._report import precision_report as precision_report
 
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("eqx_amp")

@@ -23,11 +23,12 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._cast import is_floating_array
-from ._filter_amp import _AmpWrapper, _cast_values
+from ._cast import cast_all_but_state, is_floating_array
+from ._filter_amp import filter_amp
 from ._filters import FilterSpec, default_filter_spec, selection_mask
 from ._grad import filter_grad, filter_value_and_grad
 from ._policy import Policy, resolve_policy
+from ._wrapper import check_callable
 
 
 _NESTED_BIMODEL = (
@@ -172,7 +173,7 @@ class BiModel(eqx.Module):
         policy = resolve_policy(policy)
         spec = default_filter_spec(model) if filter_spec is None else filter_spec
         mask = selection_mask(model, spec)
-        master = _cast_values(model, lambda _: policy.param_dtype)
+        master = cast_all_but_state(model, lambda _: policy.param_dtype)
         compute = policy.compute_dtype
 
         def compute_only(selected, leaf):
@@ -205,10 +206,11 @@ class BiModel(eqx.Module):
                 f"This `BiModel` holds a {type(self.master).__name__}, which is not "
                 "callable. Call its compute copy yourself: `bimodel.compute`."
             )
-        # The selected leaves are already in the compute dtype, so `_AmpWrapper`
-        # casts no weights: it adds the kept submodules' boundaries and casts the
+        # The selected leaves are already in the compute dtype, so `filter_amp` casts
+        # no weights: it adds the kept submodules' boundaries and casts the
         # arguments and outputs.
-        return _AmpWrapper(self.compute, self.policy, self.filter_spec)(*args, **kwargs)
+        amp = filter_amp(self.compute, policy=self.policy, filter_spec=self.filter_spec)
+        return amp(*args, **kwargs)
 
     def with_compute(self, compute: PyTree) -> "BiModel":
         """This `BiModel` with its compute copy replaced by `compute`.
@@ -325,13 +327,15 @@ class BiModel(eqx.Module):
         )(x, y, loss_scale=loss_scale)
         ```
         """
-        transform = filter_value_and_grad(
-            _OnCompute(fun, self),
-            has_aux=has_aux,
-            redo_on_nan=redo_on_nan,
-            axis_name=axis_name,
+        check_callable(fun, "BiModel.value_and_grad")
+        return self._on_compute(
+            filter_value_and_grad(
+                _OnCompute(fun, self),
+                has_aux=has_aux,
+                redo_on_nan=redo_on_nan,
+                axis_name=axis_name,
+            )
         )
-        return eqx.Partial(transform, self.compute)
 
     def grad(
         self,
@@ -345,23 +349,29 @@ class BiModel(eqx.Module):
         without the value. The returned `g(*args, loss_scale, **kwargs)` gives
         `(grads, new_loss_scale, grads_finite)` (`((grads, aux), ...)` with
         `has_aux=True`)."""
-        transform = filter_grad(
-            _OnCompute(fun, self),
-            has_aux=has_aux,
-            redo_on_nan=redo_on_nan,
-            axis_name=axis_name,
+        check_callable(fun, "BiModel.grad")
+        return self._on_compute(
+            filter_grad(
+                _OnCompute(fun, self),
+                has_aux=has_aux,
+                redo_on_nan=redo_on_nan,
+                axis_name=axis_name,
+            )
         )
+
+    def _on_compute(self, transform: Callable) -> Callable:
+        # The compute copy is bound as the differentiated first argument.
         return eqx.Partial(transform, self.compute)
 
     def _replace(self, master: PyTree, compute_only: PyTree) -> "BiModel":
         # Not through `__init__`: the parts are already in their dtypes, and
         # `__init__` would resolve the spec against the model again.
-        new = object.__new__(BiModel)
-        object.__setattr__(new, "master", master)
-        object.__setattr__(new, "_compute_only", compute_only)
-        object.__setattr__(new, "policy", self.policy)
-        object.__setattr__(new, "_selected", self._selected)
-        return new
+        return eqx.tree_at(
+            lambda b: (b.master, b._compute_only),
+            self,
+            (master, compute_only),
+            is_leaf=_is_none,
+        )
 
 
 def _check_update(update: Any, leaf: Any) -> None:

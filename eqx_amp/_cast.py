@@ -1,27 +1,48 @@
 """Casting pytrees: only real floating arrays are ever touched."""
 
 import functools as ft
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._filters import FilterSpec, selection_mask
+from ._filters import STATE_TYPES, FilterSpec, selection_mask
+
+
+def is_floating_dtype(dtype: Any) -> bool:
+    """True for real floating dtypes (float8 to float64)."""
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def is_half_dtype(dtype: Any) -> bool:
+    """True for real floating dtypes narrower than float32: what mixed precision
+    computes in (bfloat16, float16, the float8 types)."""
+    return is_floating_dtype(dtype) and jnp.dtype(dtype).itemsize < 4
+
+
+def is_inexact_array(leaf: Any) -> bool:
+    """True for arrays of a floating or complex dtype: what `eqx.filter_grad`
+    differentiates, and so what a loss scale scales."""
+    return eqx.is_inexact_array(leaf) or (
+        isinstance(leaf, (np.ndarray, np.generic))
+        and jnp.issubdtype(leaf.dtype, jnp.inexact)
+    )
 
 
 def is_floating_array(leaf: Any) -> bool:
     """True for JAX and NumPy arrays (and NumPy scalars) of a real floating dtype.
 
     Integer, boolean, complex and PRNG-key arrays, Python scalars and every other
-    object are False: mixed precision never changes them.
+    object are False: mixed precision never changes them. (Tracers are `jax.Array`s.)
     """
     if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
         return False
-    return jnp.issubdtype(leaf.dtype, jnp.floating)
+    return is_floating_dtype(leaf.dtype)
 
 
 def cast_leaf(leaf: Any, dtype: np.dtype) -> Any:
@@ -47,7 +68,7 @@ def floating_dtype(
             f"`{argname}` must be a floating dtype such as jnp.bfloat16{words}, but "
             f"got {dtype!r}."
         ) from None
-    if not jnp.issubdtype(dtype, jnp.floating):
+    if not is_floating_dtype(dtype):
         raise ValueError(
             f"`{argname}` must be a real floating dtype (float16, bfloat16, float32, "
             f"float64, or a float8 type), but got {dtype.name}. Mixed precision only "
@@ -112,3 +133,23 @@ def widest_dtype(dtypes: Iterable[Any]) -> np.dtype | None:
 def _promote(dtypes: frozenset[np.dtype]) -> np.dtype:
     with jax.numpy_dtype_promotion("standard"):
         return jnp.dtype(jnp.result_type(*dtypes))
+
+
+def at_least_float32(dtype: Any) -> np.dtype:
+    """`dtype` widened to float32 if it is narrower (float64 stays float64)."""
+    return widest_dtype([dtype, jnp.float32])
+
+
+def cast_all_but_state(
+    tree: PyTree, dtype_of: Callable[[np.dtype], np.dtype]
+) -> PyTree:
+    """Casts every floating array to `dtype_of(its dtype)`, except in `eqx.nn.State`
+    (running statistics keep their dtype across steps)."""
+
+    def cast(leaf):
+        if is_floating_array(leaf):
+            return cast_leaf(leaf, dtype_of(leaf.dtype))
+        return leaf
+
+    is_state = lambda x: isinstance(x, STATE_TYPES)  # noqa: E731
+    return jtu.tree_map(lambda x: x if is_state(x) else cast(x), tree, is_leaf=is_state)

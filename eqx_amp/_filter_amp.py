@@ -1,5 +1,6 @@
 """Call-boundary mixed precision: `filter_amp` and `full_precision`."""
 
+import dataclasses
 import functools as ft
 import types
 from collections.abc import Callable
@@ -7,21 +8,29 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._cast import cast_leaf, is_floating_array, widest_floating_dtype
-from ._filters import STATE_TYPES, FilterSpec, default_filter_spec, selection_mask
+from ._cast import (
+    at_least_float32,
+    cast_all_but_state,
+    cast_leaf,
+    is_floating_array,
+    widest_floating_dtype,
+)
+from ._filters import (
+    FULL_PRECISION_SCOPE,
+    STATE_TYPES,
+    FilterSpec,
+    default_filter_spec,
+    selection_mask,
+)
 from ._policy import Policy, resolve_policy
-from ._wrapper import FunctionWrapper
+from ._wrapper import FunctionWrapper, check_callable
 
 
 _F = TypeVar("_F", bound=Callable)
-
-# `autocast` keeps every op under this scope at the dtypes it was traced with.
-FULL_PRECISION_SCOPE = "eqx_amp.full_precision"
 
 _sentinel: Any = object()
 
@@ -38,19 +47,6 @@ _PYTREE_SPEC_NEEDS_PYTREE = (
 #
 
 
-def _cast_values(tree: PyTree, dtype_of: Callable[[np.dtype], np.dtype]) -> PyTree:
-    """Casts every floating array to `dtype_of(its dtype)`, except `eqx.nn.State`
-    (running statistics keep their dtype across steps)."""
-
-    def cast(leaf):
-        if is_floating_array(leaf):
-            return cast_leaf(leaf, dtype_of(leaf.dtype))
-        return leaf
-
-    is_state = lambda x: isinstance(x, STATE_TYPES)  # noqa: E731
-    return jtu.tree_map(lambda x: x if is_state(x) else cast(x), tree, is_leaf=is_state)
-
-
 def _call_at(
     fn: Callable,
     args: tuple,
@@ -61,11 +57,11 @@ def _call_at(
     back to the widest floating input dtype, so that the caller sees no change of
     dtype."""
     caller_dtype = widest_floating_dtype(_drop_state((args, kwargs)))
-    args, kwargs = _cast_values((args, kwargs), dtype_of)
+    args, kwargs = cast_all_but_state((args, kwargs), dtype_of)
     out = fn(*args, **kwargs)
     if caller_dtype is None:
         return out
-    return _cast_values(out, lambda _: caller_dtype)
+    return cast_all_but_state(out, lambda _: caller_dtype)
 
 
 def _drop_state(tree: PyTree) -> PyTree:
@@ -80,10 +76,16 @@ def _boundary_class(cls: type, dtype: np.dtype) -> type:
     the surrounding model (`eqx.nn.Sequential` looks for `StatefulLayer`) still
     hold."""
 
+    def __init__(self, module):
+        # The module's fields, as they are: its own checks already ran.
+        for field in dataclasses.fields(module):
+            object.__setattr__(self, field.name, getattr(module, field.name))
+
     def __call__(self, *args, **kwargs):
         return _call_at(ft.partial(cls.__call__, self), args, kwargs, lambda _: dtype)
 
     namespace = {
+        "__init__": __init__,
         "__call__": __call__,
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
@@ -93,10 +95,7 @@ def _boundary_class(cls: type, dtype: np.dtype) -> type:
 
 
 def _with_boundary_class(module: eqx.Module, dtype: np.dtype) -> eqx.Module:
-    new = object.__new__(_boundary_class(type(module), dtype))
-    for name, value in vars(module).items():
-        object.__setattr__(new, name, value)
-    return new
+    return _boundary_class(type(module), dtype)(module)
 
 
 def _fully_kept(node: eqx.Module, mask: PyTree[bool]) -> bool:
@@ -213,7 +212,7 @@ class _AmpWrapper(FunctionWrapper):
         fn = _amp_view(self.fn, policy, self.filter_spec, set())
         args, kwargs = _cast_module((args, kwargs), policy, None)
         out = fn(*args, **kwargs)
-        return _cast_values(out, lambda _: policy.output_dtype)
+        return cast_all_but_state(out, lambda _: policy.output_dtype)
 
 
 def filter_amp(
@@ -259,11 +258,7 @@ def filter_amp(
     """
     if fn is _sentinel:
         return ft.partial(filter_amp, policy=policy, filter_spec=filter_spec)
-    if not callable(fn):
-        raise TypeError(
-            f"`filter_amp` takes a callable (an `eqx.Module` or a function), but got "
-            f"{type(fn).__name__}."
-        )
+    check_callable(fn, "filter_amp")
     policy = resolve_policy(policy)
     _check_filter_spec(fn, filter_spec)
     return eqx.module_update_wrapper(_AmpWrapper(fn, policy, filter_spec))
@@ -284,20 +279,15 @@ def _check_filter_spec(fn: Any, filter_spec: FilterSpec | None) -> None:
 #
 
 
-def _upcast_to_float32(dtype: np.dtype) -> np.dtype:
-    with jax.numpy_dtype_promotion("standard"):
-        return jnp.promote_types(dtype, jnp.float32)
-
-
 class _FullPrecisionWrapper(FunctionWrapper):
     fn: Callable
 
     def __call__(self, *args, **kwargs):
         fn = self.fn
         if isinstance(fn, eqx.Module) or _is_pytree_node(fn):
-            fn = _cast_values(fn, _upcast_to_float32)
+            fn = cast_all_but_state(fn, at_least_float32)
         with jax.named_scope(FULL_PRECISION_SCOPE):
-            return _call_at(fn, args, kwargs, _upcast_to_float32)
+            return _call_at(fn, args, kwargs, at_least_float32)
 
 
 class _FullPrecisionScope:

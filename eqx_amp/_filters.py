@@ -18,6 +18,20 @@ NORM_LAYERS = (eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.GroupNorm, eqx.nn.BatchN
 # Running statistics must keep their dtype across steps: never cast state.
 STATE_TYPES = (eqx.nn.State, eqx.nn.StateIndex)
 
+# The named scopes Equinox's norm layers open around their ops: `autocast` computes
+# under them in float32.
+NORM_SCOPES = tuple(f"eqx.nn.{layer.__name__}" for layer in NORM_LAYERS)
+# The norm layers among them end with `out.astype(orig_dtype)`: they hand back the
+# dtype their input arrived in, and under autocast they still do (BatchNorm promotes
+# with its float32 running statistics instead).
+LAYERS_RETURNING_INPUT_DTYPE_SCOPES = tuple(
+    f"eqx.nn.{layer.__name__}"
+    for layer in (eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.GroupNorm)
+)
+# `autocast` keeps every op under this scope (`with full_precision():`) at the dtypes
+# it was traced with.
+FULL_PRECISION_SCOPE = "eqx_amp.full_precision"
+
 _NOT_SELECTED = object()
 
 _SPEC_MISMATCH = (

@@ -13,10 +13,9 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Float, PyTree
 
+from ._cast import at_least_float32
 from ._loss_scale import (
     AbstractLossScale,
-    NoOpLossScale,
-    StaticLossScale,
     all_finite,
     unbound_axis_name_error,
 )
@@ -85,11 +84,6 @@ def _split_output(out: Any, has_aux: bool) -> tuple[Array, Any]:
     return loss, aux
 
 
-def _at_least_float32(dtype: Any) -> np.dtype:
-    with jax.numpy_dtype_promotion("standard"):
-        return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
-
-
 #
 # One forward and backward pass.
 #
@@ -110,7 +104,7 @@ def _value_and_scaled_grad(
     def scaled_loss(x, loss_scale):
         loss, aux = _split_output(fun(x, *args, **kwargs), has_aux)
         # Scale in (at least) float32: a float16 loss times 2**16 would overflow.
-        loss = loss.astype(_at_least_float32(loss.dtype))
+        loss = loss.astype(at_least_float32(loss.dtype))
         return loss_scale.scale(loss), (loss, aux)
 
     (_, (value, aux)), grads = eqx.filter_value_and_grad(scaled_loss, has_aux=True)(
@@ -136,31 +130,37 @@ def _is_struct(x: Any) -> bool:
 def _redo_until_finite(attempt: Callable, loss_scale: AbstractLossScale, redo: int):
     """Runs `attempt` with `loss_scale`, and while its gradients are not finite (at
     most `redo` more times) with the adjusted scale, inside one `lax.while_loop`, so
-    that the forward and backward passes are compiled once."""
-    out_struct = eqx.filter_eval_shape(attempt, loss_scale)
-    out_dynamic_struct, out_static = eqx.partition(out_struct, _is_struct)
+    that the forward and backward passes are compiled once. The user's loss is
+    traced once: the loop body evaluates the traced program."""
+    attempt = eqx.filter_closure_convert(attempt, loss_scale)
+    out_dynamic_struct, out_static = eqx.partition(attempt.out_struct, _is_struct)
     scale_dynamic, scale_static = eqx.partition(loss_scale, eqx.is_array)
 
     def cond(carry):
-        tries, _, _, grads_finite = carry
-        return (tries <= redo) & jnp.logical_not(grads_finite)
+        tries, _, _, grads_finite, scale_moved = carry
+        # A retry at a scale `adjust` did not change (one at its floor) would fail
+        # the same way.
+        return (tries <= redo) & jnp.logical_not(grads_finite) & scale_moved
 
     def body(carry):
-        tries, scale_dynamic, _, _ = carry
+        tries, scale_dynamic, _, _, _ = carry
         scale = eqx.combine(scale_dynamic, scale_static)
         out = attempt(scale)
         grads_finite = out[-1]
-        new_scale_dynamic, _ = eqx.partition(scale.adjust(grads_finite), eqx.is_array)
+        new_scale = scale.adjust(grads_finite)
+        new_scale_dynamic, _ = eqx.partition(new_scale, eqx.is_array)
         out_dynamic, _ = eqx.partition(out, eqx.is_array)
-        return tries + 1, new_scale_dynamic, out_dynamic, grads_finite
+        scale_moved = new_scale.loss_scale != scale.loss_scale
+        return tries + 1, new_scale_dynamic, out_dynamic, grads_finite, scale_moved
 
     init = (
         jnp.zeros((), jnp.int32),
         scale_dynamic,
         jtu.tree_map(_placeholder, out_dynamic_struct),
         jnp.asarray(False),
+        jnp.asarray(True),
     )
-    _, scale_dynamic, out_dynamic, _ = jax.lax.while_loop(cond, body, init)
+    _, scale_dynamic, out_dynamic, _, _ = jax.lax.while_loop(cond, body, init)
     out = eqx.combine(out_dynamic, out_static)
     return out, eqx.combine(scale_dynamic, scale_static)
 
@@ -203,8 +203,7 @@ class _ScaledValueAndGradWrapper(FunctionWrapper):
         )
         # Recomputing with a scale that `adjust` does not change would give the same
         # non-finite gradients again.
-        fixed = isinstance(loss_scale, NoOpLossScale | StaticLossScale)
-        if self._redo_on_nan == 0 or fixed:
+        if self._redo_on_nan == 0 or loss_scale.is_fixed:
             value, aux, grads, grads_finite = attempt(loss_scale)
             new_loss_scale = loss_scale.adjust(grads_finite)
         else:
@@ -371,9 +370,10 @@ def filter_value_and_grad(
         `DynamicLossScale`, divide it by its `factor`) and recompute them, at most
         this many more times. The tries run inside one `lax.while_loop`, so the
         forward and backward passes are compiled once. `0` (the default) computes
-        once and leaves skipping the step to the caller. With a `NoOpLossScale` or
-        a `StaticLossScale`, recomputing would give the same result, so it never
-        happens.
+        once and leaves skipping the step to the caller. Recomputing at a scale
+        that `adjust` left unchanged (a `NoOpLossScale`, a `StaticLossScale`, a
+        `DynamicLossScale` at its `min_loss_scale`) would give the same result, so
+        it stops there.
     - `axis_name`: the name of a mapped axis (of `jax.shard_map`, `jax.pmap` or a
         named `jax.vmap`) to average over. The gradients and the loss are averaged
         with `lax.pmean` over it before the finiteness check, and the check is agreed

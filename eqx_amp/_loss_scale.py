@@ -25,7 +25,7 @@ import numpy as np
 from equinox import AbstractVar
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PyTree
 
-from ._cast import is_floating_array
+from ._cast import at_least_float32, is_inexact_array
 
 
 _GRADS_FINITE_NOT_BOOL = (
@@ -55,8 +55,12 @@ def _describe(x: Any) -> str:
 
 
 def _scalar_array(value: Any, dtype: Any, argname: str) -> Array:
-    """`value` as a scalar array of `dtype`; the argument is named on error."""
-    is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    """`value` as a scalar array of `dtype`; the argument is named on error. A
+    Python or NumPy number is checked before conversion, so that a value the dtype
+    cannot hold is reported as given, not as what it became."""
+    is_number = isinstance(value, (numbers.Real, np.integer, np.floating)) and not (
+        isinstance(value, (bool, np.bool_))
+    )
     is_real_array = eqx.is_array(value) and (
         jnp.issubdtype(value.dtype, jnp.integer)
         or jnp.issubdtype(value.dtype, jnp.floating)
@@ -66,6 +70,10 @@ def _scalar_array(value: Any, dtype: Any, argname: str) -> Array:
             f"`{argname}` must be a real number or a real scalar array, but got "
             f"{_describe(value)}."
         )
+    if is_number and jnp.issubdtype(dtype, jnp.integer) and value != int(value):
+        raise ValueError(f"`{argname}` must be a whole number, but got {value!r}.")
+    if is_number and jnp.issubdtype(dtype, jnp.floating):
+        _check_normal_float32(float(value), argname)
     array = jnp.asarray(value, dtype=dtype)
     if array.shape != ():
         raise ValueError(
@@ -73,6 +81,20 @@ def _scalar_array(value: Any, dtype: Any, argname: str) -> Array:
             f"{tuple(array.shape)}."
         )
     return array
+
+
+_FLOAT32 = np.finfo(np.float32)
+
+
+def _check_normal_float32(value: float, argname: str) -> None:
+    """A scale must be a positive normal float32: XLA flushes subnormals to zero on
+    most backends, and a scale of exactly 0 (or inf) ends training silently."""
+    if not (float(_FLOAT32.tiny) <= value <= float(_FLOAT32.max)):
+        raise ValueError(
+            f"`{argname}` must be a positive, normal float32 number, between "
+            f"{float(_FLOAT32.tiny):.6g} (2**-126) and {float(_FLOAT32.max):.6g}, "
+            f"but got {value!r}."
+        )
 
 
 _as_loss_scale = ft.partial(_scalar_array, dtype=jnp.float32, argname="loss_scale")
@@ -100,12 +122,16 @@ def _as_period(period: Any) -> int:
             f"`period` must be a Python int (it is static configuration, part of "
             f"the pytree structure), but got {_describe(period)}."
         ) from None
-    if period < 1:
+    if not 1 <= period <= _MAX_PERIOD:
         raise ValueError(
-            f"`period` must be at least 1 (the number of finite steps in a row "
-            f"before the scale grows), but got {period}."
+            f"`period` must be from 1 to {_MAX_PERIOD} (the number of finite steps in "
+            f"a row before the scale grows; the counter is an int32), but got "
+            f"{period}."
         )
     return period
+
+
+_MAX_PERIOD = 2**31 - 1
 
 
 def _as_factor(factor: Any) -> int | float:
@@ -117,50 +143,47 @@ def _as_factor(factor: Any) -> int | float:
             f"part of the pytree structure), but got {_describe(factor)}."
         )
     factor = int(factor) if isinstance(factor, (int, np.integer)) else float(factor)
-    if not (factor > 1 and np.isfinite(factor)):
+    if not (1 < factor <= float(_FLOAT32.max)):
         raise ValueError(
-            f"`factor` must be finite and greater than 1 (the scale is multiplied by "
-            f"it to grow and divided by it to back off), but got {factor}."
+            f"`factor` must be greater than 1 and at most the largest float32 (the "
+            f"scale is multiplied by it to grow and divided by it to back off), but "
+            f"got {factor}."
         )
     return factor
 
 
 def _check_positive_finite(x: Array, argname: str) -> None:
     value = _concrete(x)
-    if value is not None and not (value > 0 and np.isfinite(value)):
-        raise ValueError(f"`{argname}` must be finite and positive, but got {value}.")
-
-
-def _at_least_float32(dtype: Any) -> np.dtype:
-    # Standard promotion on purpose: this is bookkeeping, and a user's strict
-    # promotion setting must not turn it into an error.
-    with jax.numpy_dtype_promotion("standard"):
-        return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
+    if value is not None:
+        _check_normal_float32(value, argname)
 
 
 def _scale_tree(tree: PyTree, loss_scale: Float[Array, ""]) -> PyTree:
-    """Multiplies every floating array by `loss_scale`, computing in at least float32
-    and rounding once back to the leaf's dtype (so a float16 leaf times a scale of
-    2**16, which float16 cannot hold, is not `0 * inf = nan`)."""
+    """Multiplies every inexact (floating or complex) array by `loss_scale`,
+    computing in at least float32 and rounding once back to the leaf's dtype (so a
+    float16 leaf times a scale of 2**16, which float16 cannot hold, is not
+    `0 * inf = nan`)."""
 
     def scale(x):
-        if not is_floating_array(x):
+        if not is_inexact_array(x):
             return x
-        wide = _at_least_float32(x.dtype)
+        wide = at_least_float32(x.dtype)
         return (x.astype(wide) * loss_scale.astype(wide)).astype(x.dtype)
 
     return jtu.tree_map(scale, tree)
 
 
 def _unscale_tree(tree: PyTree, loss_scale: Float[Array, ""] | None) -> PyTree:
-    """Divides every floating array by `loss_scale` in at least float32, and returns
+    """Divides every inexact array by `loss_scale` in at least float32, and returns
     it in that dtype: half-precision leaves come back as float32, so a gradient too
-    small for float16 survives the unscaling. `None` only upcasts."""
+    small for float16 survives the unscaling. Complex arrays are unscaled too:
+    `eqx.filter_grad` differentiates every inexact array, so every one of them was
+    scaled. `None` only upcasts."""
 
     def unscale(x):
-        if not is_floating_array(x):
+        if not is_inexact_array(x):
             return x
-        wide = _at_least_float32(x.dtype)
+        wide = at_least_float32(x.dtype)
         x = x.astype(wide)
         if loss_scale is None:
             return x
@@ -201,9 +224,16 @@ class AbstractLossScale(eqx.Module):
 
     loss_scale: AbstractVar[Float[Array, ""]]
 
+    @property
+    def is_fixed(self) -> bool:
+        """Whether `adjust` always returns the same scale. Retrying a step
+        (`redo_on_nan`) with a fixed scale would fail the same way, so it is not
+        retried. `False` unless a subclass says otherwise."""
+        return False
+
     @abc.abstractmethod
     def scale(self, tree: PyTree) -> PyTree:
-        """Multiplies the floating arrays of `tree` by the loss scale.
+        """Multiplies the floating and complex arrays of `tree` by the loss scale.
 
         **Arguments:**
 
@@ -217,7 +247,8 @@ class AbstractLossScale(eqx.Module):
 
     @abc.abstractmethod
     def unscale(self, tree: PyTree) -> PyTree:
-        """Divides the floating arrays of `tree` by the loss scale.
+        """Divides the floating and complex arrays of `tree` by the loss scale
+        (everything `eqx.filter_grad` differentiates).
 
         **Arguments:**
 
@@ -229,8 +260,8 @@ class AbstractLossScale(eqx.Module):
 
         A pytree of the same structure. Floating arrays narrower than float32
         (bfloat16, float16, float8) are unscaled in float32 and returned as float32,
-        so unscaling never rounds a gradient to half precision; wider ones keep their
-        dtype.
+        so unscaling never rounds a gradient to half precision; wider ones (and
+        complex ones) keep their dtype.
         """
 
     @abc.abstractmethod
@@ -273,6 +304,10 @@ class NoOpLossScale(AbstractLossScale):
     def unscale(self, tree: PyTree) -> PyTree:
         return _unscale_tree(tree, None)
 
+    @property
+    def is_fixed(self) -> bool:
+        return True
+
     def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "NoOpLossScale":
         _check_grads_finite(grads_finite)
         return self
@@ -307,6 +342,10 @@ class StaticLossScale(AbstractLossScale):
 
     def unscale(self, tree: PyTree) -> PyTree:
         return _unscale_tree(tree, self.loss_scale)
+
+    @property
+    def is_fixed(self) -> bool:
+        return True
 
     def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "StaticLossScale":
         _check_grads_finite(grads_finite)

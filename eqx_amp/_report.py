@@ -3,7 +3,7 @@
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -11,20 +11,27 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax import lax
 
-from ._autocast import _jax_compat as compat
+from ._cast import is_floating_dtype, is_half_dtype
+from ._jaxpr import _compat as compat
+from ._jaxpr._evaluate import (
+    MATMUL_PRIMITIVES,
+    Frame,
+    Hook,
+    evaluate,
+    is_higher_order,
+)
 
 
-_MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
 # Ops that move data without arithmetic: not worth listing as full-precision work.
 _DATA_MOVEMENT = frozenset(
     {
-        "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice",
-        "dynamic_slice", "dynamic_update_slice", "gather", "concatenate", "pad", "rev",
-        "copy", "copy_p", "convert_element_type", "select_n", "iota", "split",
-        "sharding_constraint", "stop_gradient", "pjit", "jit", "closed_call",
-        "custom_jvp_call", "custom_vjp_call", "checkpoint", "remat2", "scan", "while",
-        "cond", "shard_map",
+        lax.broadcast_in_dim_p, lax.reshape_p, lax.squeeze_p, lax.transpose_p,
+        lax.slice_p, lax.dynamic_slice_p, lax.dynamic_update_slice_p, lax.gather_p,
+        lax.concatenate_p, lax.pad_p, lax.rev_p, lax.copy_p,
+        lax.convert_element_type_p, lax.select_n_p, lax.iota_p, lax.split_p,
+        compat.sharding_constraint_p,
     }
 )  # fmt: skip
 
@@ -35,52 +42,14 @@ def _trace(fn: Callable, args: tuple, kwargs: dict) -> Any:
     return eqx.filter_make_jaxpr(fn)(*args, **kwargs)[0]
 
 
-def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, int]]:
-    """Sub-jaxprs of an equation with how many times each runs per run of the
-    equation (scan bodies run `length` times; while bodies an unknown number of
-    times, counted once)."""
-    repeats = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-    for value in eqn.params.values():
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        for v in values:
-            if compat.is_jaxpr(v):
-                yield compat.open_jaxpr(v)[0], repeats
-
-
-def _source(eqn: Any, enclosing: str) -> str:
-    # Ops inside library sub-jaxprs (`jnp.var` is a jit) have no user frame of their
-    # own: the line that called the library is the useful one.
-    line = compat.source_line(eqn)
-    return enclosing if line == compat.UNKNOWN_SOURCE else line
-
-
-def _walk(
-    jaxpr: Any, scopes: tuple[str, ...] = (), repeats: int = 1, enclosing: str = ""
-) -> Iterator:
-    for eqn in jaxpr.eqns:
-        eqn_scopes = scopes + compat.scope_names(eqn)
-        source = _source(eqn, enclosing or compat.UNKNOWN_SOURCE)
-        yield eqn, eqn_scopes, repeats, source
-        for sub, times in _sub_jaxprs(eqn):
-            yield from _walk(sub, eqn_scopes, repeats * times, source)
-
-
-def _floating(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
-
-
-def _is_low(dtype: Any) -> bool:
-    return _floating(dtype) and jnp.dtype(dtype).itemsize < 4
-
-
 def _matmul_flops(eqn: Any) -> int:
     out = eqn.outvars[0].aval
-    if eqn.primitive.name == "conv_general_dilated":
+    if eqn.primitive is lax.conv_general_dilated_p:
         rhs = eqn.invars[1].aval
         out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
         per_output = math.prod(rhs.shape) // rhs.shape[out_feature_dim]
         return 2 * math.prod(out.shape) * per_output
-    if eqn.primitive.name == "dot_general":
+    if eqn.primitive is lax.dot_general_p:
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]
         lhs = eqn.invars[0].aval
         return 2 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lhs_contract)
@@ -182,36 +151,74 @@ def precision_report(fn: Callable, *args: Any, **kwargs: Any) -> PrecisionReport
     assert report.low_precision_share == 1.0
     ```
     """
-    jaxpr = _trace(fn, args, kwargs)
-    ops: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    sites: collections.Counter = collections.Counter()
-    matmul_flops = low_flops = casts = 0
-    for eqn, scopes, repeats, source in _walk(jaxpr.jaxpr):
+    census = _Census()
+    closed = _trace(fn, args, kwargs)
+    jaxpr, _ = compat.open_jaxpr(closed)
+    structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+    jax.eval_shape(lambda *xs: evaluate(closed, xs, census)[0], *structs)
+    return census.report()
+
+
+class _Census(Hook):
+    """Counts every equation the program runs, as the evaluator meets it."""
+
+    def __init__(self):
+        self.ops: dict[str, collections.Counter] = collections.defaultdict(
+            collections.Counter
+        )
+        self.sites: collections.Counter = collections.Counter()
+        self.matmul_flops = self.low_flops = self.casts = 0
+        # JAX may trace a loop body twice (to settle its carry types): count each
+        # equation once per place it is called from.
+        self._seen: set = set()
+
+    def equation(self, eqn, invals, from_params, frame, evaluate):
+        caller = None if frame.caller is None else id(frame.caller[1])
+        key = (id(eqn), caller, frame.scopes, frame.repeats)
+        if key not in self._seen:
+            self._seen.add(key)
+            self._count(eqn, frame)
+        return evaluate(invals)
+
+    def _count(self, eqn: Any, frame: Frame) -> None:
         name = eqn.primitive.name
         in_dtypes = _dtype_names(eqn.invars)
-        ops[name][in_dtypes] += 1
-        if name in _MATMULS:
-            flops = _matmul_flops(eqn) * repeats
-            matmul_flops += flops
-            if all(_is_low(a.aval.dtype) for a in eqn.invars[:2]):
-                low_flops += flops
-        if name == "convert_element_type":
+        self.ops[name][in_dtypes] += 1
+        if eqn.primitive in MATMUL_PRIMITIVES:
+            flops = _matmul_flops(eqn) * frame.repeats
+            self.matmul_flops += flops
+            if all(is_half_dtype(a.aval.dtype) for a in eqn.invars[:2]):
+                self.low_flops += flops
+        if eqn.primitive is lax.convert_element_type_p:
             old, new = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
-            casts += int(_floating(old) and _floating(new) and old != new)
-        floats = [a.aval.dtype for a in eqn.invars if _floating(a.aval.dtype)]
-        if name not in _DATA_MOVEMENT and floats and not any(map(_is_low, floats)):
-            sites[(name, in_dtypes, "/".join(scopes), source)] += 1
-    full_ops = tuple(
-        OpSite(name, dtypes, scope, source, count)
-        for (name, dtypes, scope, source), count in sites.most_common()
-    )
-    return PrecisionReport(
-        ops={k: dict(v) for k, v in ops.items()},
-        matmul_flops=matmul_flops,
-        low_precision_flops=low_flops,
-        casts=casts,
-        full_precision_ops=full_ops,
-    )
+            floating = is_floating_dtype(old) and is_floating_dtype(new)
+            self.casts += int(floating and old != new)
+        floats = [a.aval.dtype for a in eqn.invars if _floating_aval(a)]
+        if (
+            eqn.primitive not in _DATA_MOVEMENT
+            and not is_higher_order(eqn)
+            and floats
+            and not any(map(is_half_dtype, floats))
+        ):
+            source = frame.source(eqn)
+            self.sites[(name, in_dtypes, "/".join(frame.scopes), source)] += 1
+
+    def report(self) -> PrecisionReport:
+        full_ops = tuple(
+            OpSite(name, dtypes, scope, source, count)
+            for (name, dtypes, scope, source), count in self.sites.most_common()
+        )
+        return PrecisionReport(
+            ops={k: dict(v) for k, v in self.ops.items()},
+            matmul_flops=self.matmul_flops,
+            low_precision_flops=self.low_flops,
+            casts=self.casts,
+            full_precision_ops=full_ops,
+        )
+
+
+def _floating_aval(atom: Any) -> bool:
+    return hasattr(atom.aval, "dtype") and is_floating_dtype(atom.aval.dtype)
 
 
 #
@@ -266,19 +273,19 @@ def _all_finite(values: list) -> bool:
     return all(
         bool(np.all(np.isfinite(np.asarray(v, np.float32))))
         for v in values
-        if eqx.is_array(v) and _floating(v.dtype)
+        if eqx.is_array(v) and is_floating_dtype(v.dtype)
     )
 
 
 def _hint(name: str, out_dtype: np.dtype) -> str:
-    if name == "convert_element_type" and _is_low(out_dtype):
+    if name == "convert_element_type" and is_half_dtype(out_dtype):
         return (
             f"a value too large for {out_dtype.name} (max "
             f"{float(jnp.finfo(out_dtype).max):.6g}) was cast down to it, at a call "
             "boundary or an explicit astype: keep it in float32 from where it is made "
             "(compute with its logarithm, return it in float32), or use bfloat16."
         )
-    if _is_low(out_dtype):
+    if is_half_dtype(out_dtype):
         return (
             f"{name} overflowed {out_dtype.name} (max {float(jnp.finfo(out_dtype).max):.6g}): "
             "keep it in float32 with an `autocast` rule or `eqx_amp.full_precision`, "
@@ -296,15 +303,15 @@ def _hint(name: str, out_dtype: np.dtype) -> str:
     )
 
 
-def _check(eqn: Any, where: "_Where", invals: list, outvals: list) -> None:
+def _check(eqn: Any, frame: Frame, invals: list, outvals: list) -> None:
     if _all_finite(outvals) or not _all_finite(invals):
         return
     bad = next(
         v
         for v in outvals
-        if eqx.is_array(v) and _floating(v.dtype) and not _all_finite([v])
+        if eqx.is_array(v) and is_floating_dtype(v.dtype) and not _all_finite([v])
     )
-    floats = [v for v in invals if eqx.is_array(v) and _floating(v.dtype)]
+    floats = [v for v in invals if eqx.is_array(v) and is_floating_dtype(v.dtype)]
     ranges = tuple(
         (float(jnp.min(v.astype(jnp.float32))), float(jnp.max(v.astype(jnp.float32))))
         if v.size
@@ -315,8 +322,8 @@ def _check(eqn: Any, where: "_Where", invals: list, outvals: list) -> None:
     raise _Found(
         NonfiniteOp(
             primitive=eqn.primitive.name,
-            scope="/".join(where.scopes),
-            source=where.source,
+            scope="/".join(frame.scopes),
+            source=frame.source(eqn),
             input_dtypes=tuple(v.dtype.name for v in floats),
             input_ranges=ranges,
             output_dtype=out_dtype.name,
@@ -326,97 +333,15 @@ def _check(eqn: Any, where: "_Where", invals: list, outvals: list) -> None:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Where:
-    scopes: tuple[str, ...] = ()
-    source: str = ""
+class _FirstNonfinite(Hook):
+    """Runs the program eagerly and stops at the first op that makes inf or nan."""
 
-    def enter(self, eqn: Any) -> "_Where":
-        source = _source(eqn, self.source or compat.UNKNOWN_SOURCE)
-        return _Where(self.scopes + compat.scope_names(eqn), source)
+    eager = True
 
-
-def _run(jaxpr: Any, consts: list, args: list, where: _Where) -> list:
-    env: dict[Any, Any] = {}
-
-    def read(atom):
-        return atom.val if isinstance(atom, compat.Literal) else env[atom]
-
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        eqn_where = where.enter(eqn)
-        runner = _RUNNERS.get(eqn.primitive.name)
-        outvals = (
-            runner(eqn, invals, eqn_where)
-            if runner
-            else compat.concrete_bind(eqn, invals)
-        )
-        _check(eqn, eqn_where, invals, outvals)
-        env.update(zip(eqn.outvars, outvals))
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _run_closed(closed: Any, args: list, where: _Where) -> list:
-    jaxpr, consts = compat.open_jaxpr(closed)
-    return _run(jaxpr, consts, args, where)
-
-
-def _run_call(param: str) -> Callable:
-    return lambda eqn, invals, where: _run_closed(eqn.params[param], invals, where)
-
-
-def _run_scan(eqn, invals, where):
-    p = compat.scan_params(eqn.params)
-    n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
-    consts, carry = invals[:n_consts], invals[n_consts : n_consts + n_carry]
-    xs = invals[n_consts + n_carry :]
-    ys = []
-    steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
-    for i in steps:
-        outs = _run_closed(p["jaxpr"], [*consts, *carry, *(x[i] for x in xs)], where)
-        carry, y = outs[:n_carry], outs[n_carry:]
-        ys.append(y)
-    if p["reverse"]:
-        ys.reverse()
-    n_ys = len(eqn.outvars) - n_carry
-    stacked = [
-        jnp.stack([y[k] for y in ys]) if ys else jnp.zeros(v.aval.shape, v.aval.dtype)
-        for k, v in zip(range(n_ys), eqn.outvars[n_carry:])
-    ]
-    return [*carry, *stacked]
-
-
-def _run_while(eqn, invals, where):
-    n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
-    carry = invals[n_cond + n_body :]
-    while bool(_run_closed(eqn.params["cond_jaxpr"], [*cond_consts, *carry], where)[0]):
-        carry = _run_closed(eqn.params["body_jaxpr"], [*body_consts, *carry], where)
-    return carry
-
-
-def _run_cond(eqn, invals, where):
-    index, *operands = invals
-    branches = eqn.params["branches"]
-    chosen = branches[int(np.clip(int(index), 0, len(branches) - 1))]
-    return _run_closed(chosen, operands, where)
-
-
-_RUNNERS: dict[str, Callable] = {
-    "jit": _run_call("jaxpr"),
-    "pjit": _run_call("jaxpr"),
-    "closed_call": _run_call("call_jaxpr"),
-    "core_call": _run_call("call_jaxpr"),
-    "checkpoint": _run_call("jaxpr"),
-    "remat2": _run_call("jaxpr"),
-    "custom_jvp_call": _run_call("call_jaxpr"),
-    "custom_vjp_call": _run_call("call_jaxpr"),
-    "scan": _run_scan,
-    "while": _run_while,
-    "cond": _run_cond,
-}
+    def equation(self, eqn, invals, from_params, frame, evaluate):
+        outvals = evaluate(invals)
+        _check(eqn, frame, invals, outvals)
+        return outvals
 
 
 def find_nonfinite(fn: Callable, *args: Any, **kwargs: Any) -> NonfiniteOp | None:
@@ -459,7 +384,11 @@ def find_nonfinite(fn: Callable, *args: Any, **kwargs: Any) -> NonfiniteOp | Non
                 "`find_nonfinite` runs eagerly, op by op, and needs concrete arrays: "
                 "call it outside `jax.jit`, `jax.grad` and other transformations."
             )
-        if eqx.is_array(leaf) and _floating(leaf.dtype) and not _all_finite([leaf]):
+        if (
+            eqx.is_array(leaf)
+            and is_floating_dtype(leaf.dtype)
+            and not _all_finite([leaf])
+        ):
             raise ValueError(
                 f"The argument at {jtu.keystr(path)} already holds inf or nan: the "
                 "problem is upstream of this function."
@@ -467,7 +396,7 @@ def find_nonfinite(fn: Callable, *args: Any, **kwargs: Any) -> NonfiniteOp | Non
     closed = _trace(fn, args, kwargs)
     flat = [leaf for _, leaf in leaves if eqx.is_array(leaf)]
     try:
-        _run_closed(closed, flat, _Where())
+        evaluate(closed, flat, _FirstNonfinite())
     except _Found as found:
         return found.op
     return None

@@ -1,6 +1,7 @@
 """The base of the callables eqx_amp returns."""
 
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 
@@ -22,3 +23,12 @@ class FunctionWrapper(eqx.Module):
         if instance is None:
             return self
         return eqx.Partial(self, instance)
+
+
+def check_callable(fn: Any, transform: str) -> None:
+    """Fails where a transform is applied, not where its result is first called."""
+    if not callable(fn):
+        raise TypeError(
+            f"`{transform}` takes a callable (a function or an `eqx.Module`), but got "
+            f"{type(fn).__name__}."
+        )

@@ -96,14 +96,32 @@ def run_on_eight_devices(script: str) -> dict:
     prints last. The device count must be set before JAX is imported, so the script
     runs in a fresh interpreter."""
     root = pathlib.Path(__file__).resolve().parent.parent
+    return _run_eight_devices([str(root / "tests" / script)])
+
+
+def run_script_on_eight_devices(source: str) -> dict:
+    """Runs Python `source` on 8 fake CPU devices, with strict dtype promotion, and
+    returns the dict it leaves in a variable named `report`."""
+    program = (
+        'import jax\njax.config.update("jax_numpy_dtype_promotion", "strict")\n'
+        + source
+        + "\nimport json\nprint(json.dumps(report))\n"
+    )
+    return _run_eight_devices(["-c", program])
+
+
+def _run_eight_devices(command: list[str]) -> dict:
+    root = pathlib.Path(__file__).resolve().parent.parent
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(root), env.get("PYTHONPATH")])
+    )
     result = subprocess.run(
-        [sys.executable, str(root / "tests" / script)],
+        [sys.executable, *command],
         env=env,
         capture_output=True,
         text=True,
@@ -111,3 +129,26 @@ def run_on_eight_devices(script: str) -> dict:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def rel_error(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-12))
+
+
+def assert_tree_close(a, b, tol):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert x.dtype == y.dtype
+        assert rel_error(x, y) < tol
+
+
+def global_rel_error(a, b):
+    """Relative error of two gradient trees as one vector: leaves whose true gradient
+    is zero (a conv bias under BatchNorm) hold only rounding noise, which a per-leaf
+    relative error would magnify without bound."""
+    flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(t)])  # noqa: E731
+    return rel_error(flat(a), flat(b))
+
+
+def ops_in(jaxpr, name):
+    return [in_dtypes(e) for e, _ in eqns_named(jaxpr, name)]

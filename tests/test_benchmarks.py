@@ -22,9 +22,20 @@ def test_benchmark_runs(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags.strip()}
     result = subprocess.run(
         [
-            sys.executable, str(REPO_ROOT / "benchmarks" / "run.py"),
-            "--preset", "tiny", "--models", "gpt,cnn", "--variants", ",".join(VARIANTS),
-            "--steps", "2", "--repeats", "1", "--json", str(out_json),
+            sys.executable,
+            str(REPO_ROOT / "benchmarks" / "run.py"),
+            "--preset",
+            "tiny",
+            "--models",
+            "gpt,cnn",
+            "--variants",
+            ",".join(VARIANTS),
+            "--steps",
+            "2",
+            "--repeats",
+            "1",
+            "--json",
+            str(out_json),
         ],  # fmt: skip
         cwd=REPO_ROOT,
         env=env,
@@ -58,13 +69,18 @@ def test_benchmark_runs(tmp_path):
             assert hlo["half_matmuls"] == hlo["matmuls"] > 0
         assert model["variants"]["fp32"]["hlo_program"]["half_matmuls"] == 0
         # filter_amp compiles exactly the program written by hand.
-        signature = {n: r["hlo_compiled"]["signature"] for n, r in model["variants"].items()}
-        assert signature["filter_amp_bf16"] == signature["hand_bf16"] != signature["fp32"]
+        signature = {
+            n: r["hlo_compiled"]["signature"] for n, r in model["variants"].items()
+        }
+        assert (
+            signature["filter_amp_bf16"] == signature["hand_bf16"] != signature["fp32"]
+        )
     # On the CNN, so does autocast: its norms hand back bfloat16 as the hand-cast
     # model's do.
     cnn = report["models"]["cnn"]["variants"]
-    assert cnn["autocast_bf16"]["hlo_compiled"]["signature"] == (
-        cnn["hand_bf16"]["hlo_compiled"]["signature"]
+    assert (
+        cnn["autocast_bf16"]["hlo_compiled"]["signature"]
+        == (cnn["hand_bf16"]["hlo_compiled"]["signature"])
     )
     statuses = {c["status"] for c in report["targets"]}
     assert statuses <= {"PASS", "LAG", "INFO", "SAME", "n/a"}

@@ -34,8 +34,17 @@ def test_cast_tree_touches_only_real_floating_arrays():
     assert out["f32"].dtype == jnp.bfloat16
     assert out["f64_np"].dtype == jnp.bfloat16
     assert out["np_scalar"].dtype == jnp.bfloat16
-    for name in ("i32", "bool", "key", "raw_key", "complex", "py_float", "py_int",
-                 "string", "fn"):
+    for name in (
+        "i32",
+        "bool",
+        "key",
+        "raw_key",
+        "complex",
+        "py_float",
+        "py_int",
+        "string",
+        "fn",
+    ):
         assert out[name] is tree[name], name
 
 
@@ -53,17 +62,23 @@ def test_cast_tree_filter_spec_forms(getkey):
     assert out.layers[0].weight.dtype == jnp.float16
     assert out.layers[1].weight.dtype == jnp.float32
     # Bool.
-    assert eqx_amp.cast_tree(model, jnp.float16, False).layers[0].weight.dtype == jnp.float32
+    assert (
+        eqx_amp.cast_tree(model, jnp.float16, False).layers[0].weight.dtype
+        == jnp.float32
+    )
     # Callable on leaves.
     matrices = eqx_amp.cast_tree(model, jnp.float16, lambda x: x.ndim == 2)
     assert matrices.layers[0].weight.dtype == jnp.float16
     assert matrices.layers[0].bias.dtype == jnp.float32
     # Prefix with a callable inside.
     spec = (lambda x: x.ndim == 1, False)
-    out = eqx_amp.cast_tree(((jnp.ones(2), jnp.ones((2, 2))), jnp.ones(2)), jnp.float16,
-                            spec)
+    out = eqx_amp.cast_tree(
+        ((jnp.ones(2), jnp.ones((2, 2))), jnp.ones(2)), jnp.float16, spec
+    )
     assert [x.dtype for x in jax.tree_util.tree_leaves(out)] == [
-        jnp.float16, jnp.float32, jnp.float32
+        jnp.float16,
+        jnp.float32,
+        jnp.float32,
     ]
 
 
@@ -78,7 +93,9 @@ def test_cast_tree_under_jit_and_grad():
 
 def test_cast_tree_bad_inputs(getkey):
     model = eqx.nn.Linear(2, 2, key=getkey())
-    with pytest.raises(ValueError, match=r"`dtype` must be a real floating dtype.*int32"):
+    with pytest.raises(
+        ValueError, match=r"`dtype` must be a real floating dtype.*int32"
+    ):
         eqx_amp.cast_tree(model, jnp.int32)
     with pytest.raises(ValueError, match=r"`dtype` must be a floating dtype"):
         eqx_amp.cast_tree(model, "not-a-dtype")
@@ -99,8 +116,11 @@ def test_is_floating_array():
 
 
 def test_widest_floating_dtype():
-    assert widest_floating_dtype([jnp.ones(1, jnp.bfloat16), jnp.arange(2)]) == jnp.bfloat16
-    assert widest_floating_dtype([jnp.ones(1, jnp.bfloat16), jnp.ones(1, jnp.float16)]) == (
-        jnp.float32
+    assert (
+        widest_floating_dtype([jnp.ones(1, jnp.bfloat16), jnp.arange(2)])
+        == jnp.bfloat16
     )
+    assert widest_floating_dtype(
+        [jnp.ones(1, jnp.bfloat16), jnp.ones(1, jnp.float16)]
+    ) == (jnp.float32)
     assert widest_floating_dtype([jnp.arange(2), 1.0]) is None

@@ -87,7 +87,9 @@ def test_transformer_block(half, getkey):
 def test_cnn_with_group_norm(half, getkey):
     model = CNN(key=getkey())
     x = jr.normal(getkey(), (1, 8, 8))
-    jaxpr = _check_model(model, x, _policy(half), tol=5e-2, norm_scope="eqx.nn.GroupNorm")
+    jaxpr = _check_model(
+        model, x, _policy(half), tol=5e-2, norm_scope="eqx.nn.GroupNorm"
+    )
     assert len(eqns_named(jaxpr, "conv_general_dilated")) == 2
 
 
@@ -95,6 +97,7 @@ def test_batch_norm_state_keeps_its_dtype(half, getkey):
     model, state = eqx.nn.make_with_state(BatchNormNet)(key=getkey())
     amp_model = eqx_amp.filter_amp(model, policy=_policy(half))
     x = jr.normal(getkey(), (32, 6))
+
     def forward(x, state):
         return jax.vmap(
             amp_model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
@@ -145,8 +148,18 @@ def test_under_filter_jit_and_vmap_lowered_hlo(half, getkey):
     assert all(f"tensor<16x8x{short}>" in d or f"x{short}>" in d for d in dots), dots
 
 
-@pytest.mark.parametrize("form", ["module", "bound method", "closure", "nested closure",
-                                  "partial", "argument", "decorator"])
+@pytest.mark.parametrize(
+    "form",
+    [
+        "module",
+        "bound method",
+        "closure",
+        "nested closure",
+        "partial",
+        "argument",
+        "decorator",
+    ],
+)
 def test_callable_forms(form, getkey):
     model = eqx.nn.MLP(4, 2, 8, 1, key=getkey())
     x = jnp.ones(4)
@@ -214,7 +227,10 @@ def test_boundary_keeps_isinstance_for_sequential_state(getkey):
     # instances: the kept BatchNorm must still be one.
     model, state = eqx.nn.make_with_state(BatchNormNet)(key=getkey())
     out, new_state = jax.vmap(
-        eqx_amp.filter_amp(model), axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+        eqx_amp.filter_amp(model),
+        axis_name="batch",
+        in_axes=(0, None),
+        out_axes=(0, None),
     )(jnp.ones((4, 6)), state)
     assert out.shape == (4, 3)
     assert isinstance(new_state, eqx.nn.State)
@@ -285,7 +301,10 @@ def test_full_precision_on_a_module(getkey):
     half_head = eqx_amp.cast_tree(head, jnp.bfloat16)
     jaxpr = traced(eqx_amp.full_precision(half_head), jnp.ones(4, jnp.bfloat16))
     assert_matmuls_in(jaxpr, F32)
-    assert eqx_amp.full_precision(half_head)(jnp.ones(4, jnp.bfloat16)).dtype == jnp.bfloat16
+    assert (
+        eqx_amp.full_precision(half_head)(jnp.ones(4, jnp.bfloat16)).dtype
+        == jnp.bfloat16
+    )
 
 
 def test_full_precision_context_manager_opens_scope():
@@ -316,17 +335,25 @@ def test_bad_inputs_raise_and_mutate_nothing(getkey):
     model = eqx.nn.MLP(4, 2, 8, 1, key=getkey())
     before = jax.tree_util.tree_map(lambda x: x, model)
     with pytest.raises(ValueError, match=r"`compute_dtype` must be a real floating"):
-        eqx_amp.filter_amp(model, policy=eqx_amp.Policy(jnp.float32, jnp.int8, jnp.float32))
+        eqx_amp.filter_amp(
+            model, policy=eqx_amp.Policy(jnp.float32, jnp.int8, jnp.float32)
+        )
     with pytest.raises(ValueError, match=r"'int8' in policy 'c=int8' is int8"):
         eqx_amp.filter_amp(model, policy="c=int8")
     with pytest.raises(ValueError, match=r"Unknown key 'compute_dtype'"):
         eqx_amp.filter_amp(model, policy="compute_dtype=bf16")
     with pytest.raises(ValueError, match=r"`filter_spec` does not match the structure"):
-        eqx_amp.filter_amp(model, filter_spec=eqx_amp.default_filter_spec(
-            eqx.nn.MLP(4, 2, 8, 2, key=getkey())))
+        eqx_amp.filter_amp(
+            model,
+            filter_spec=eqx_amp.default_filter_spec(
+                eqx.nn.MLP(4, 2, 8, 2, key=getkey())
+            ),
+        )
     with pytest.raises(ValueError, match=r"`filter_spec` does not match the structure"):
         eqx_amp.filter_amp(model, filter_spec=[True, False])
-    with pytest.raises(ValueError, match=r"not an `eqx.Module`, so there is no structure"):
+    with pytest.raises(
+        ValueError, match=r"not an `eqx.Module`, so there is no structure"
+    ):
         eqx_amp.filter_amp(lambda x: model(x), filter_spec={"a": True})
     with pytest.raises(TypeError, match=r"`filter_amp` takes a callable.*got ndarray"):
         eqx_amp.filter_amp(np.ones(3))  # type: ignore[arg-type]

@@ -37,7 +37,9 @@ def test_default_filter_spec_keeps_norm_layers(getkey):
 
 
 def test_default_filter_spec_keeps_batchnorm_and_state(getkey):
-    model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, axis_name="batch", mode="batch")
+    model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(
+        4, axis_name="batch", mode="batch"
+    )
     assert eqx_amp.default_filter_spec(model) is False
     assert eqx_amp.default_filter_spec(state) is False
     tree = {"state": state, "x": jnp.ones(2)}
@@ -61,7 +63,9 @@ def test_keep_types_and_predicates(getkey):
 
 def test_keep_bad_inputs(getkey):
     block = _Block(getkey())
-    with pytest.raises(TypeError, match=r"`keep` takes module types or predicates.*got 3"):
+    with pytest.raises(
+        TypeError, match=r"`keep` takes module types or predicates.*got 3"
+    ):
         eqx_amp.keep(block, 3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"got 'LayerNorm'"):
         eqx_amp.keep(block, "LayerNorm")  # type: ignore[arg-type]

@@ -290,6 +290,39 @@ def test_redo_compiles_forward_and_backward_once():
     assert "stablehlo.while" in redo and "stablehlo.while" not in once
 
 
+def test_redo_traces_the_loss_once():
+    traces = []
+
+    def loss(params, x):
+        traces.append(None)  # a Python side effect runs once per trace
+        return _two_layer(params, x)
+
+    g = eqx.filter_jit(eqx_amp.filter_value_and_grad(loss, redo_on_nan=3))
+    params = (jnp.ones((4, 8)), jnp.ones((8, 2)))
+    (value, _), _, finite = g(
+        params, jnp.ones((3, 4)), loss_scale=eqx_amp.DynamicLossScale()
+    )
+    assert len(traces) == 1
+    assert bool(finite) and value == _two_layer(params, jnp.ones((3, 4)))
+
+
+def test_redo_stops_once_the_scale_reaches_its_floor():
+    tries = []
+
+    def always_nan(params, x):
+        jax.debug.callback(lambda: tries.append(None))
+        return _two_layer(params, x) * jnp.nan
+
+    g = eqx.filter_jit(eqx_amp.filter_value_and_grad(always_nan, redo_on_nan=30))
+    params = (jnp.ones((4, 8)), jnp.ones((8, 2)))
+    scale = eqx_amp.DynamicLossScale(2.0, min_loss_scale=1.0)
+    _, new_scale, finite = g(params, jnp.ones((3, 4)), loss_scale=scale)
+    jax.effects_barrier()
+    # At 2.0, then at the floor 1.0; a third try at 1.0 would fail the same way.
+    assert len(tries) == 2
+    assert not bool(finite) and float(new_scale.loss_scale) == 1.0
+
+
 def test_redo_skipped_for_fixed_scales():
     # Recomputing with a scale that `adjust` leaves unchanged cannot help.
     for scale in (eqx_amp.StaticLossScale(8.0), eqx_amp.NoOpLossScale()):
@@ -512,3 +545,25 @@ def test_docs_snippets_run():
     with jax.numpy_dtype_promotion("standard"):
         for block in blocks:
             exec(compile(block, "README.md (python block)", "exec"), namespace)
+
+
+def test_complex_parameters_are_unscaled_like_real_ones(getkey):
+    """`eqx.filter_grad` differentiates complex arrays too (a diagonal state-space
+    layer, a complex network), so their gradients were scaled and must be unscaled."""
+    params = {
+        "diag": jax.lax.complex(jr.normal(getkey(), (4,)), jr.normal(getkey(), (4,))),
+        "proj": jr.normal(getkey(), (4,)),
+    }
+    x = jr.normal(getkey(), (4,))
+
+    def loss(params, x):
+        diag = params["diag"] * x.astype(jnp.complex64)
+        return jnp.sum(jnp.abs(diag) ** 2) + jnp.sum(params["proj"] * x)
+
+    g = eqx_amp.filter_grad(loss)
+    grads, _, finite = g(params, x, loss_scale=eqx_amp.DynamicLossScale(2.0**15))
+    expected = eqx.filter_grad(loss)(params, x)
+    assert bool(finite)
+    assert grads["diag"].dtype == jnp.complex64
+    np.testing.assert_allclose(grads["diag"], expected["diag"], rtol=1e-6)
+    np.testing.assert_allclose(grads["proj"], expected["proj"], rtol=1e-6)

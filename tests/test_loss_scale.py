@@ -69,8 +69,12 @@ def test_abstract_base():
         eqx_amp.DynamicLossScale,
     ):
         assert issubclass(cls, eqx_amp.AbstractLossScale)
-    with pytest.raises(TypeError):
+    with pytest.raises(
+        TypeError, match=r"Can't instantiate abstract class AbstractLossScale"
+    ):
         eqx_amp.AbstractLossScale()
+    assert eqx_amp.NoOpLossScale().is_fixed and eqx_amp.StaticLossScale(2.0).is_fixed
+    assert not eqx_amp.DynamicLossScale().is_fixed
 
 
 @pytest.mark.parametrize(
@@ -95,6 +99,12 @@ def test_abstract_base():
         ({"loss_scale": "big"}, TypeError, "`loss_scale`"),
         ({"loss_scale": True}, TypeError, "`loss_scale`"),
         ({"loss_scale": 0.5, "min_loss_scale": 1.0}, ValueError, "`min_loss_scale`"),
+        ({"min_loss_scale": 1e-45}, ValueError, r"`min_loss_scale` must be a positive, normal float32.*1e-45"),
+        ({"loss_scale": 1e-50}, ValueError, r"`loss_scale` must be a positive, normal float32.*got 1e-50"),
+        ({"loss_scale": 1e39}, ValueError, r"`loss_scale` must be a positive, normal float32.*got 1e\+39"),
+        ({"counter": 1.5}, ValueError, r"`counter` must be a whole number, but got 1.5"),
+        ({"factor": 2**200}, ValueError, r"`factor` must be greater than 1 and at most the largest float32"),
+        ({"period": 2**40}, ValueError, r"`period` must be from 1 to 2147483647"),
         ({"counter": -1}, ValueError, "`counter`"),
         ({"counter": 5, "period": 5}, ValueError, "`counter`"),
         ({"counter": np.ones(3)}, ValueError, "`counter`"),

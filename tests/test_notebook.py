@@ -43,7 +43,9 @@ def _kernel_env(tmp_path: pathlib.Path) -> dict[str, str]:
 
 def _stream_text(cell) -> str:
     return "".join(
-        out.get("text", "") for out in cell.get("outputs", []) if out["output_type"] == "stream"
+        out.get("text", "")
+        for out in cell.get("outputs", [])
+        if out["output_type"] == "stream"
     )
 
 
@@ -74,7 +76,9 @@ def test_notebook_runs_on_small_settings(tmp_path, monkeypatch):
     assert all(c.get("execution_count") for c in code_cells)
     assert "small settings" in _stream_text(code_cells[0])
 
-    (summary,) = [c for c in code_cells if "summary-table" in c.metadata.get("tags", [])]
+    (summary,) = [
+        c for c in code_cells if "summary-table" in c.metadata.get("tags", [])
+    ]
     table = _stream_text(summary)
     for variant in VARIANTS:
         assert variant in table, (variant, table)

@@ -30,7 +30,10 @@ F32, BF16, F16 = jnp.dtype("float32"), jnp.dtype("bfloat16"), jnp.dtype("float16
         ("f64", (np.dtype("float64"),) * 3),
         ("mixed_bfloat16", (F32, BF16, F32)),
         ("mixed_float16", (F32, F16, F32)),
-        ("c=float8_e4m3fn", (F32, jnp.dtype("float8_e4m3fn"), jnp.dtype("float8_e4m3fn"))),
+        (
+            "c=float8_e4m3fn",
+            (F32, jnp.dtype("float8_e4m3fn"), jnp.dtype("float8_e4m3fn")),
+        ),
     ],
 )
 def test_get_policy_grammar(text, expected):
@@ -67,7 +70,7 @@ def test_policy_is_static_value_not_pytree():
     assert jax.tree_util.tree_leaves(policy) == [policy]
     f = jax.jit(lambda x, policy: policy.cast_to_compute(x), static_argnums=1)
     assert f(jnp.ones(2), policy).dtype == BF16
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match=r"cannot assign to field 'compute_dtype'"):
         policy.compute_dtype = F16  # type: ignore[misc]
 
 
@@ -124,7 +127,9 @@ def test_get_policy_errors(text, match):
 
 
 def test_get_policy_wrong_type():
-    with pytest.raises(TypeError, match=r"`policy` must be a string or an `eqx_amp.Policy`"):
+    with pytest.raises(
+        TypeError, match=r"`policy` must be a string or an `eqx_amp.Policy`"
+    ):
         eqx_amp.get_policy(jnp.bfloat16)  # type: ignore[arg-type]
 
 

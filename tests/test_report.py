@@ -34,9 +34,13 @@ def test_report_of_plain_filter_amp_and_autocast(getkey):
     assert boundary.low_precision_share == 1.0
     assert boundary.ops["dot_general"] == {("bfloat16", "bfloat16"): 8}
     assert boundary.casts > 0
-    layer_norm_sites = [s for s in boundary.full_precision_ops if s.scope.endswith("LayerNorm")]
-    assert any(s.primitive == "rsqrt" and "_normalisation.py" in s.source
-               for s in layer_norm_sites)
+    layer_norm_sites = [
+        s for s in boundary.full_precision_ops if s.scope.endswith("LayerNorm")
+    ]
+    assert any(
+        s.primitive == "rsqrt" and "_normalisation.py" in s.source
+        for s in layer_norm_sites
+    )
 
     op_level = eqx_amp.precision_report(eqx_amp.autocast(model), x)
     assert op_level.low_precision_share == 1.0
@@ -126,7 +130,9 @@ def test_find_nonfinite_domain_error_inside_scan_and_in_gradients():
 
 
 def test_find_nonfinite_bad_inputs(getkey):
-    with pytest.raises(ValueError, match=r"argument at \[0\]\[0\] already holds inf or nan"):
+    with pytest.raises(
+        ValueError, match=r"argument at \[0\]\[0\] already holds inf or nan"
+    ):
         eqx_amp.find_nonfinite(jnp.exp, jnp.array([jnp.nan]))
 
     @jax.jit

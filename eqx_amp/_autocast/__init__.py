@@ -1,2 +1,1 @@
-"""Op-level autocast: a jaxpr interpreter that recurses into every higher-order
-primitive. `_jax_compat.py` holds every private JAX API it needs."""
+"""Op-level autocast: a hook over the jaxpr evaluator that casts each op by its rule."""

@@ -6,9 +6,10 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 
+from .._jaxpr._evaluate import evaluate_function
 from .._policy import Policy, resolve_policy
-from .._wrapper import FunctionWrapper
-from ._interpreter import Context, interpret_call
+from .._wrapper import FunctionWrapper, check_callable
+from ._hook import AutocastHook
 from ._rules import RuleTable
 
 
@@ -26,10 +27,16 @@ class _AutocastWrapper(FunctionWrapper):
     rules: RuleTable = eqx.field(static=True)
 
     def __call__(self, *args, **kwargs):
-        context = Context(self.rules, self.policy.compute_dtype)
-        return interpret_call(
-            _call, (self.fn, args, kwargs), context, modules_are_weak=True
+        hook = AutocastHook(self.rules, self.policy.compute_dtype)
+        # The arrays of Equinox modules (`fn` itself, or arguments) are parameters:
+        # they follow the activations they meet.
+        return evaluate_function(
+            _call, (self.fn, args, kwargs), hook, params_are=_is_module
         )
+
+
+def _is_module(node: Any) -> bool:
+    return isinstance(node, eqx.Module)
 
 
 def autocast(
@@ -80,10 +87,6 @@ def autocast(
     """
     if fn is _sentinel:
         return ft.partial(autocast, policy=policy, rules=rules)
-    if not callable(fn):
-        raise TypeError(
-            f"`autocast` takes a callable (a function or an `eqx.Module`), but got "
-            f"{type(fn).__name__}."
-        )
+    check_callable(fn, "autocast")
     wrapper = _AutocastWrapper(fn, resolve_policy(policy), RuleTable(rules))
     return eqx.module_update_wrapper(wrapper)

@@ -3,13 +3,14 @@
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._cast import is_floating_array, widest_dtype
-from .._filter_amp import FULL_PRECISION_SCOPE
+from .._cast import at_least_float32, is_floating_array, is_floating_dtype, widest_dtype
+from .._filters import FULL_PRECISION_SCOPE, NORM_SCOPES
+from .._jaxpr import _compat as compat
+from .._jaxpr._evaluate import MATMUL_PRIMITIVES
 
 
 # A rule has jaxamp's signature: it receives the compute dtype, the dtypes the
@@ -19,27 +20,29 @@ RuleFn = Callable[..., tuple[Sequence[Any], dict]]
 
 
 def _floating_dtypes(values: Sequence[Any]) -> list[np.dtype]:
-    return [v.dtype for v in values if _is_floating(v)]
-
-
-def _is_floating(value: Any) -> bool:
-    return is_floating_array(value)  # Tracers are `jax.Array`s too.
+    return [v.dtype for v in values if is_floating_array(v)]
 
 
 def _cast(value: Any, dtype: np.dtype | None) -> Any:
-    if dtype is None or not _is_floating(value) or value.dtype == dtype:
+    if dtype is None or not is_floating_array(value) or value.dtype == dtype:
         return value
     return lax.convert_element_type(value, dtype)
 
 
-def promotion_dtypes(invals: Sequence[Any], weak: Sequence[bool]) -> list[np.dtype]:
-    """The dtypes that decide a promotion: those of the data-derived ("strong")
-    floating inputs. Parameters and constants are weakly typed, like Python scalars
-    in JAX: they follow the activations they meet, so `bf16 matmul + f32 bias` stays
+def promotion_dtypes(
+    invals: Sequence[Any], from_params: Sequence[bool]
+) -> list[np.dtype]:
+    """The dtypes that decide a promotion: those of the floating inputs computed from
+    data. Values computed from parameters and constants alone follow the activations
+    they meet, as Python scalars do in JAX, so `bf16 matmul + f32 bias` stays
     bfloat16 (PyTorch's autocast casts a Linear's bias with its matmul, too). Only
-    when every input is weak do their own dtypes decide."""
-    strong = [v.dtype for v, w in zip(invals, weak) if _is_floating(v) and not w]
-    return strong or _floating_dtypes(invals)
+    when every input comes from parameters do their own dtypes decide."""
+    data = [
+        v.dtype
+        for v, is_param in zip(invals, from_params)
+        if is_floating_array(v) and not is_param
+    ]
+    return data or _floating_dtypes(invals)
 
 
 class BuiltinRule:
@@ -57,16 +60,16 @@ class BuiltinRule:
         ), params
 
     def cast(
-        self, compute_dtype, original_dtypes, invals, weak, cast=None
+        self, compute_dtype, original_dtypes, invals, from_params, cast=None
     ) -> list[Any]:
-        """The inputs cast by this rule; `weak` marks the parameter-derived ones, and
-        `cast(value, dtype)` does the casting (the interpreter passes one that casts
-        each value once)."""
+        """The inputs cast by this rule; `from_params` marks those computed from
+        parameters and constants alone, and `cast(value, dtype)` does the casting
+        (autocast passes one that casts each value once)."""
         cast = _cast if cast is None else cast
-        deciding = promotion_dtypes(invals, weak)
+        deciding = promotion_dtypes(invals, from_params)
         targets = [
             self._target(compute_dtype, original, value.dtype, deciding)
-            if _is_floating(value)
+            if is_floating_array(value)
             else None
             for value, original in zip(invals, original_dtypes)
         ]
@@ -79,10 +82,6 @@ class BuiltinRule:
         return self.name
 
 
-def _upcast_to_float32(dtype: np.dtype) -> np.dtype:
-    return widest_dtype([dtype, jnp.dtype(jnp.float32)])
-
-
 LOW = BuiltinRule(
     "LOW",
     lambda compute, original, current, all_current: compute,
@@ -90,7 +89,7 @@ LOW = BuiltinRule(
 )
 FULL = BuiltinRule(
     "FULL",
-    lambda compute, original, current, all_current: _upcast_to_float32(current),
+    lambda compute, original, current, all_current: at_least_float32(current),
     "Casts floating inputs up to float32 (ops that overflow or lose precision in "
     "half precision: exp, log, pow, rsqrt, large reductions, ...).",
 )
@@ -104,7 +103,7 @@ PROMOTE = BuiltinRule(
 KEEP = BuiltinRule(
     "KEEP",
     lambda compute, original, current, all_current: (
-        original if jnp.issubdtype(original, jnp.floating) else current
+        original if is_floating_dtype(original) else current
     ),
     "Casts floating inputs back to the dtypes the original program had.",
 )
@@ -117,10 +116,10 @@ class _ParameterLookup(BuiltinRule):
     compute dtype, as from a model cast by hand. Lookups of data, and slices of a
     parameter at constant positions, are not cast."""
 
-    def cast(self, compute_dtype, original_dtypes, invals, weak, cast=None):
+    def cast(self, compute_dtype, original_dtypes, invals, from_params, cast=None):
         cast = _cast if cast is None else cast
         table, *positions = invals
-        if weak[0] and not all(weak[1:]):
+        if from_params[0] and not all(from_params[1:]):
             table = cast(table, compute_dtype)
         return [table, *positions]
 
@@ -136,66 +135,34 @@ def _full_for_float16(compute_dtype, original_dtypes, *invals, **params):
     `x**3` (in GELU) overflows float16 from x = 41, and `logistic` saturates to
     exactly 0 or 1 far earlier than in float32. bfloat16 has float32's range, so
     there they stay in the low dtype (and the activations after them too)."""
-    if any(v.dtype == jnp.float16 for v in invals if _is_floating(v)):
+    if any(v.dtype == jnp.float16 for v in invals if is_floating_array(v)):
         return FULL(compute_dtype, original_dtypes, *invals, **params)
     return list(invals), params
 
 
-def _primitive(name: str) -> Any | None:
-    return getattr(lax, f"{name}_p", None)
-
-
-_LOW_PRIMITIVES = (
-    "dot_general",
-    "conv_general_dilated",
-    "ragged_dot",
-    "ragged_dot_general",
-)
 _FULL_PRIMITIVES = (
-    "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt", "tan",
-    "sinh", "cosh", "asin", "acos", "erf_inv", "reduce_sum", "reduce_prod",
-    "cumsum", "cumprod", "cumlogsumexp",
+    lax.exp_p, lax.exp2_p, lax.expm1_p, lax.log_p, lax.log1p_p, lax.pow_p,
+    lax.rsqrt_p, lax.tan_p, lax.sinh_p, lax.cosh_p, lax.asin_p, lax.acos_p,
+    lax.erf_inv_p, lax.reduce_sum_p, lax.reduce_prod_p, lax.cumsum_p, lax.cumprod_p,
+    lax.cumlogsumexp_p,
 )  # fmt: skip
 _PROMOTE_PRIMITIVES = (
-    "add", "sub", "mul", "div", "rem", "max", "min", "atan2", "nextafter",
-    "eq", "ne", "lt", "le", "gt", "ge", "select_n", "concatenate", "pad", "clamp",
-    "dynamic_update_slice", "scatter", "scatter_add", "scatter_sub", "scatter_mul",
-    "scatter_min", "scatter_max", "add_any",
+    lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.rem_p, lax.max_p, lax.min_p,
+    lax.atan2_p, lax.nextafter_p, lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p,
+    lax.ge_p, lax.select_n_p, lax.concatenate_p, lax.pad_p, lax.clamp_p,
+    lax.dynamic_update_slice_p, lax.scatter_p, lax.scatter_add_p, lax.scatter_sub_p,
+    lax.scatter_mul_p, lax.scatter_min_p, lax.scatter_max_p,
 )  # fmt: skip
-
-# Equinox's normalisation layers open these named scopes: their statistics must be
-# computed in float32. Code under `full_precision()` keeps its traced dtypes.
-NORM_SCOPES = (
-    "eqx.nn.LayerNorm",
-    "eqx.nn.RMSNorm",
-    "eqx.nn.GroupNorm",
-    "eqx.nn.BatchNorm",
-)
-
-# The norm layers among them end with `out.astype(orig_dtype)`: they hand back the
-# dtype their input arrived in, and under autocast they still do (BatchNorm promotes
-# with its float32 running statistics instead).
-LAYERS_RETURNING_INPUT_DTYPE = (
-    "eqx.nn.LayerNorm",
-    "eqx.nn.RMSNorm",
-    "eqx.nn.GroupNorm",
-)
 
 
 def _default_rules() -> dict[Any, Any]:
     rules: dict[Any, Any] = {}
-    for names, rule in (
-        (_LOW_PRIMITIVES, LOW),
+    for primitives, rule in (
+        (MATMUL_PRIMITIVES, LOW),
         (_FULL_PRIMITIVES, FULL),
-        (_PROMOTE_PRIMITIVES, PROMOTE),
+        (compat.present(*_PROMOTE_PRIMITIVES, compat.add_jaxvals_p), PROMOTE),
     ):
-        for name in names:
-            primitive = _primitive(name)
-            if primitive is not None:  # ragged_dot and friends depend on the version
-                rules[primitive] = rule
-    add_any = getattr(jax.extend.core.primitives, "add_jaxvals_p", None)
-    if add_any is not None:
-        rules[add_any] = PROMOTE
+        rules.update((primitive, rule) for primitive in primitives)
     rules[lax.gather_p] = LOOKUP
     rules[lax.dynamic_slice_p] = LOOKUP
     rules[lax.logistic_p] = _full_for_float16
@@ -218,6 +185,13 @@ _BAD_VALUE = (
     "`rule(compute_dtype, original_dtypes, *invals, **params) -> (invals, params)`."
 )
 
+_BAD_RESULT = (
+    "The autocast rule {!r}, called for `{}`, must return a pair `(invals, params)`: "
+    "a list of the {} inputs (cast as it likes) and the primitive's params as a "
+    "dict, as in `rule(compute_dtype, original_dtypes, *invals, **params) -> "
+    "(invals, params)`."
+)
+
 
 class RuleTable:
     """User rules merged over `DEFAULT_RULES`, split into primitive and scope rules.
@@ -232,11 +206,10 @@ class RuleTable:
                     f"rules, but got {type(rules).__name__}."
                 )
             for key, rule in rules.items():
-                if not (
-                    isinstance(key, str) or isinstance(key, jax.extend.core.Primitive)
-                ):
+                if not (isinstance(key, str) or isinstance(key, compat.Primitive)):
                     raise TypeError(_BAD_KEY.format(key, type(key).__name__))
-                if not callable(rule):
+                if not callable(rule) or isinstance(rule, type):
+                    # A dtype such as `jnp.float32` is callable, but not a rule.
                     raise ValueError(_BAD_VALUE.format(key, rule))
                 merged[key] = rule
         self.by_primitive = {k: v for k, v in merged.items() if not isinstance(k, str)}
@@ -251,6 +224,27 @@ class RuleTable:
             if rule is not None:
                 return rule
         return self.by_primitive.get(primitive)
+
+    @staticmethod
+    def call_user_rule(
+        rule: RuleFn,
+        primitive: Any,
+        compute_dtype: np.dtype,
+        original_dtypes: Sequence[np.dtype],
+        invals: Sequence[Any],
+        params: Mapping[str, Any],
+    ) -> tuple[list, dict]:
+        """Calls a user's rule and checks that it kept its contract."""
+        result = rule(compute_dtype, list(original_dtypes), *invals, **params)
+        if not (
+            isinstance(result, tuple)
+            and len(result) == 2
+            and isinstance(result[0], (tuple, list))
+            and len(result[0]) == len(invals)
+            and isinstance(result[1], Mapping)
+        ):
+            raise TypeError(_BAD_RESULT.format(rule, primitive, len(invals)))
+        return list(result[0]), dict(result[1])
 
     def __hash__(self) -> int:
         return hash(self._key)

@@ -1,0 +1,133 @@
+"""`autocast`'s pass over a jaxpr: each op's floating inputs cast by its rule."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._cast import is_floating_array, is_floating_dtype, widest_dtype
+from .._jaxpr._evaluate import Evaluate, Frame, Hook, is_higher_order, traced_dtypes
+from ._layer_calls import LayerCalls
+from ._rules import BuiltinRule, RuleTable, promotion_dtypes
+
+
+class AutocastHook(Hook):
+    """Casts each first-order op's inputs by the rule its primitive (or innermost
+    named scope) has; higher-order primitives are left to the evaluator, which
+    recurses into them under this hook."""
+
+    def __init__(self, rules: RuleTable, compute_dtype: np.dtype):
+        self.rules = rules
+        self.compute_dtype = compute_dtype
+
+    def enter_jaxpr(self, frame: Frame) -> "_JaxprCasts":
+        return _JaxprCasts(self, frame)
+
+
+class _JaxprCasts(Hook):
+    """The autocast hook for one jaxpr: its casts (one per value and dtype) and the
+    norm-layer calls it holds."""
+
+    def __init__(self, autocast: AutocastHook, frame: Frame):
+        self._rules = autocast.rules
+        self._compute_dtype = autocast.compute_dtype
+        self._casts = _CastCache()
+        self._layer_calls = LayerCalls(frame)
+
+    def equation(self, eqn, invals, from_params, frame, evaluate: Evaluate) -> list:
+        call = self._layer_calls.call_of(eqn, frame)
+        invals = self._layer_calls.read(
+            eqn.invars, invals, from_params, call, self._casts
+        )
+        if is_higher_order(eqn):
+            outs = evaluate(invals)
+        else:
+            outs = self._first_order(eqn, invals, from_params, frame, evaluate)
+        self._layer_calls.made(eqn.outvars, call)
+        return outs
+
+    def _first_order(self, eqn, invals, from_params, frame, evaluate) -> list:
+        original = traced_dtypes(eqn.invars)
+        rule = self._rules.lookup(eqn.primitive, frame.scopes)
+        if rule is None:
+            invals = _agree_if_they_did(invals, original, from_params)
+        elif isinstance(rule, BuiltinRule):
+            invals = rule.cast(
+                self._compute_dtype, original, invals, from_params, self._casts
+            )
+        else:
+            # A user's rule gets exactly what it returns.
+            return evaluate(
+                *self._rules.call_user_rule(
+                    rule,
+                    eqn.primitive,
+                    self._compute_dtype,
+                    original,
+                    invals,
+                    eqn.params,
+                )
+            )
+        return evaluate(invals, _follow_inputs(eqn, invals))
+
+
+class _CastCache:
+    """One cast per (value, dtype) per jaxpr: a LayerNorm output read by the q, k and
+    v projections is converted once, not three times (each copy would otherwise be
+    a separate value saved for the backward pass)."""
+
+    def __init__(self):
+        self._casts: dict[tuple[int, np.dtype], tuple[Any, Any]] = {}
+
+    def __call__(self, value: Any, dtype: np.dtype | None) -> Any:
+        if dtype is None or not is_floating_array(value) or value.dtype == dtype:
+            return value
+        if isinstance(value, (np.ndarray, np.generic)):
+            # A literal: cast now, so it stays a constant rather than becoming a
+            # traced value (which the backward pass might save).
+            return np.asarray(value).astype(dtype)
+        key = (id(value), jnp.dtype(dtype))
+        if key not in self._casts:
+            # The source is kept alive with its cast, so its id cannot be reused.
+            self._casts[key] = (value, lax.convert_element_type(value, dtype))
+        return self._casts[key][1]
+
+
+def _floating_positions(values: Sequence[Any]) -> list[int]:
+    return [i for i, v in enumerate(values) if is_floating_array(v)]
+
+
+def _agree_if_they_did(
+    invals: list, original: list[np.dtype], from_params: list[bool]
+) -> list:
+    """An op no rule covers runs on the dtypes that reach it, but where its floating
+    operands had one dtype in the original program (as lax requires of most
+    multi-operand ops), they are promoted to agree again."""
+    positions = _floating_positions(invals)
+    if len(positions) < 2 or len({original[i] for i in positions}) != 1:
+        return invals
+    if len({invals[i].dtype for i in positions}) == 1:
+        return invals
+    target = widest_dtype(promotion_dtypes(invals, from_params))
+    return [
+        lax.convert_element_type(v, target) if i in positions else v
+        for i, v in enumerate(invals)
+    ]
+
+
+def _follow_inputs(eqn: Any, invals: list) -> dict:
+    """The equation's params, with a default accumulation type that follows the
+    inputs' new dtypes. One the user asked for explicitly (bf16 x bf16 -> f32, say)
+    is honoured."""
+    params = dict(eqn.params)
+    preferred = params.get("preferred_element_type")
+    floating_in = [v.dtype for v in invals if is_floating_array(v)]
+    if preferred is None or not floating_in or not is_floating_dtype(preferred):
+        return params
+    original_widest = widest_dtype(
+        d for d in traced_dtypes(eqn.invars) if is_floating_dtype(d)
+    )
+    if original_widest is not None and jnp.dtype(preferred) == original_widest:
+        params["preferred_element_type"] = widest_dtype(floating_in)
+    return params

@@ -1,0 +1,232 @@
+"""Every private or version-sensitive JAX name eqx_amp touches, in one place.
+
+Tested on jax 0.10.x, 0.11.x and 0.12.x (see pyproject.toml). Each shim says what it
+needs and why no public API does it. Version differences are found by feature
+detection (what a param dict holds, which attribute exists), never by comparing
+version numbers, and nowhere but here.
+"""
+
+import contextlib
+import os
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.extend as jex
+import numpy as np
+from jax._src import callback as _callback  # callback primitives: not in jax.extend
+from jax._src import debugging as _debugging
+from jax._src import shard_map as _shard_map  # `shard_map_p` is not in jax.extend
+from jax._src import source_info_util  # no public API re-enters an eqn's source info
+from jax._src.lax import lax as _lax_internal  # `ragged_dot_general_p` is not public
+
+
+# Source lines of traced ops name the user's code, not eqx_amp's casts and wrappers
+# (Equinox registers its own files the same way).
+source_info_util.register_exclusion(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
+
+Literal = jex.core.Literal
+Jaxpr = jex.core.Jaxpr
+ClosedJaxpr = jex.core.ClosedJaxpr  # jax >= 0.11: the same class as `Jaxpr`
+Primitive = jex.core.Primitive
+
+#
+# Primitives, as objects. `jax.extend.core.primitives` has most of them.
+#
+
+_primitives = jex.core.primitives
+
+jit_p = _primitives.jit_p
+closed_call_p = _primitives.closed_call_p
+# JAX main replaces `call_p`/`closed_call_p` with `eval_jaxpr_p`: detect either.
+call_p = getattr(_primitives, "call_p", None)
+eval_jaxpr_p = getattr(_primitives, "eval_jaxpr_p", None)
+remat_p = _primitives.remat_p
+scan_p = _primitives.scan_p
+while_p = _primitives.while_p
+cond_p = _primitives.cond_p
+custom_jvp_call_p = _primitives.custom_jvp_call_p
+custom_vjp_call_p = _primitives.custom_vjp_call_p
+shard_map_p = _shard_map.shard_map_p
+add_jaxvals_p = getattr(_primitives, "add_jaxvals_p", None)
+sharding_constraint_p = _primitives.sharding_constraint_p
+# `jax.lax.ragged_dot` binds `ragged_dot_general_p`; no `jax.lax.ragged_dot_p` exists.
+ragged_dot_general_p = getattr(_lax_internal, "ragged_dot_general_p", None)
+
+# Callbacks run Python code that was traced at fixed dtypes: their operands must
+# arrive in those dtypes.
+CALLBACK_PRIMITIVES = frozenset(
+    p
+    for p in (
+        getattr(_callback, "pure_callback_p", None),
+        getattr(_callback, "io_callback_p", None),
+        getattr(_debugging, "debug_callback_p", None),
+    )
+    if p is not None
+)
+
+
+def present(*primitives: Primitive | None) -> frozenset[Primitive]:
+    """The primitives of `primitives` that this jax has."""
+    return frozenset(p for p in primitives if p is not None)
+
+
+#
+# Jaxprs.
+#
+
+
+def open_jaxpr(jaxpr: Any) -> tuple[Any, list]:
+    """`(jaxpr, consts)` of a closed or an open jaxpr. JAX 0.11 merged `ClosedJaxpr`
+    into `Jaxpr`, so this asks for the attributes rather than the type."""
+    if (
+        hasattr(jaxpr, "consts")
+        and hasattr(jaxpr, "jaxpr")
+        and jaxpr.jaxpr is not jaxpr
+    ):
+        return jaxpr.jaxpr, list(jaxpr.consts)
+    return jaxpr, list(getattr(jaxpr, "consts", ()) or ())
+
+
+def is_jaxpr(value: Any) -> bool:
+    return isinstance(value, (Jaxpr, ClosedJaxpr))
+
+
+def sub_jaxprs(params: dict) -> Iterator[Any]:
+    """Every jaxpr among an equation's params (in tuples too: `cond` branches)."""
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if is_jaxpr(v):
+                yield v
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """`(num_consts, num_carry)` of a `scan` equation. jax <= 0.11 stores the counts;
+    jax 0.12 stores `ft_in`, a flat tree of (consts, carry, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def shard_map_params(params: dict) -> dict:
+    """`jax.shard_map` keyword arguments rebuilt from a `shard_map` equation
+    (`check_rep` and `axis_names` are the names older jax used)."""
+    axis_names = params.get("newly_manual_axes", params.get("axis_names", frozenset()))
+    check = params.get("check_vma", params.get("check_rep", True))
+    return {
+        "mesh": params["mesh"],
+        "in_specs": params["in_specs"],
+        "out_specs": params["out_specs"],
+        "axis_names": frozenset(axis_names),
+        "check_vma": check,
+    }
+
+
+def bind_jit(params: dict, jaxpr: Any, args: list) -> list:
+    """Binds `jit` with every param of the original equation (shardings, layouts,
+    donation, mesh context, compiler options, name, inlining) and a new body.
+    `jax.jit` cannot take flat per-argument shardings that include "unspecified",
+    so the primitive is bound directly, as JAX's own rules do."""
+    return jit_p.bind(*args, **dict(params, jaxpr=jaxpr))
+
+
+def bind_params(eqn: Any) -> dict:
+    """The keyword arguments `eqn.primitive.bind` takes. For call-like primitives
+    this turns jaxpr params into `subfuns`; first-order primitives are unchanged.
+    (`get_bind_params` returned `(subfuns, params)` before jax 0.9.2.)"""
+    result = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(result, tuple):
+        subfuns, params = result
+        return dict(params, subfuns=subfuns) if subfuns else dict(params)
+    return dict(result)
+
+
+def bind(eqn: Any, invals: list, params: dict | None = None) -> list:
+    """Binds an equation's primitive, with its own params or the given ones."""
+    params = bind_params(eqn) if params is None else params
+    out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def wrap_like(fn: Callable, original: Any) -> Any:
+    """A `lu.WrappedFun` for `fn`, carrying the debug info of `original` (the
+    custom_jvp/custom_vjp primitives take their rules as WrappedFuns)."""
+    return jex.linear_util.wrap_init(fn, debug_info=original.debug_info)
+
+
+def call_wrapped(fun: Any, *args: Any) -> Any:
+    return fun.call_wrapped(*args)
+
+
+def retype_update_jaxpr(params: dict, dtype: np.dtype) -> dict:
+    """Scatter primitives carry their combiner as a jaxpr typed at the operand's
+    dtype; once the operand changes dtype, the combiner must too."""
+    update_jaxpr = params.get("update_jaxpr")
+    if update_jaxpr is None:
+        return params
+    consts = params.get("update_consts", ())
+    if all(v.aval.dtype == dtype for v in update_jaxpr.invars):
+        return params
+    scalar = jax.ShapeDtypeStruct((), dtype)
+    combiner = ClosedJaxpr(update_jaxpr, consts)
+    closed = jax.make_jaxpr(lambda a, b: jex.core.jaxpr_as_fun(combiner)(a, b))(
+        scalar, scalar
+    )
+    jaxpr, new_consts = open_jaxpr(closed)
+    return dict(params, update_jaxpr=jaxpr, update_consts=tuple(new_consts))
+
+
+#
+# Source information: named scopes, source lines, the per-equation context.
+#
+
+_TRANSFORM_WRAPPER = re.compile(r"^[A-Za-z_]+\((.*)\)$")
+
+
+def scope_names(eqn: Any) -> tuple[str, ...]:
+    """The named scopes an equation was traced under, relative to its jaxpr, with
+    transform wrappers such as `jvp(...)` and `transpose(...)` removed."""
+    names = []
+    for name in str(eqn.source_info.name_stack).split("/"):
+        while match := _TRANSFORM_WRAPPER.match(name):
+            name = match.group(1)
+        if name:
+            names.append(name)
+    return tuple(names)
+
+
+def is_transposed(eqn: Any) -> bool:
+    """Whether an equation belongs to a backward pass (`jax.grad` traced inside the
+    function): JAX marks those name stacks `transpose(...)`."""
+    return "transpose(" in str(eqn.source_info.name_stack)
+
+
+@contextlib.contextmanager
+def equation_context(eqn: Any) -> Iterator[None]:
+    """Re-binds under the equation's own source line and named scopes (so the new
+    program keeps them, for diagnostics and for nested `autocast`), and under its
+    per-equation context (compute type, xla metadata), as `jax.core.eval_jaxpr`
+    does."""
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    manager = getattr(getattr(eqn, "ctx", None), "manager", contextlib.nullcontext())
+    with source_info_util.user_context(
+        eqn.source_info.traceback, name_stack=name_stack
+    ):
+        with manager:
+            yield
+
+
+UNKNOWN_SOURCE = "<unknown>"
+
+
+def source_line(eqn: Any) -> str:
+    """`file.py:line (function)` of the user frame an equation was traced from. JAX
+    records it on every equation but exposes no public reader."""
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return UNKNOWN_SOURCE
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"

@@ -1,0 +1,544 @@
+"""One evaluator of jaxprs, for every pass eqx_amp makes over a traced program.
+
+`evaluate` runs a jaxpr equation by equation and hands each equation to a `Hook`,
+which may change the equation's inputs and params before it is bound (`autocast`
+casts them by its rules), watch it (`precision_report` counts it), or check what it
+produced (`find_nonfinite`). The evaluator recurses into every higher-order
+primitive and re-binds it with all of its params, with a body that is evaluated
+under the same hook:
+
+- `jit` is bound with its original shardings, layouts, donation, mesh context,
+  compiler options, name and inlining, and a body traced at the inputs' new types;
+- `checkpoint` keeps its policy and `prevent_cse`, `shard_map` its mesh, specs,
+  manual axes and checks, `scan` its length, direction and unrolling;
+- `custom_jvp` / `custom_vjp` keep their derivative rules, which are themselves
+  evaluated under the hook (the forward pass under differentiation follows it too);
+- call primitives (`closed_call`) are inlined.
+
+Values flow through a program in whatever dtype their op produced, except at the
+boundaries where JAX checks types, which keep the dtypes of the original program:
+loop carries of `scan` and `while`, outputs of `cond` branches, the inputs and
+outputs of `custom_jvp` / `custom_vjp` functions, operands of callbacks and of
+higher-order primitives the evaluator does not know (which run unchanged, with a
+one-time warning).
+
+A hook that runs eagerly (`Hook.eager`) gets control flow run in Python on concrete
+values instead: each `scan` and `while` iteration and the `cond` branch taken, with
+calls inlined, so that it sees every value the program computes.
+
+Alongside each value the evaluator tracks whether it was computed from parameters
+and constants alone (`from_params`): the arguments a caller marks as parameters,
+constants and literals are, and so is anything computed from them only.
+"""
+
+import dataclasses
+import functools as ft
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax import lax
+
+from .._cast import is_floating_array
+from . import _compat as compat
+
+
+# The ops whose FLOPs mixed precision is about.
+MATMUL_PRIMITIVES = compat.present(
+    lax.dot_general_p, lax.conv_general_dilated_p, compat.ragged_dot_general_p
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """Where an equation runs: the named scopes around it (a sub-jaxpr records only
+    its own), how many times it runs per run of the whole program (a `scan` body
+    `length` times; a `while` body is counted once), whether it belongs to a
+    backward pass the program takes itself, and the call it runs inside."""
+
+    scopes: tuple[str, ...] = ()
+    repeats: int = 1
+    transposed: bool = False
+    caller: "tuple[Frame, Any] | None" = None  # (frame, equation) of the call
+
+    def enter(self, eqn: Any) -> "Frame":
+        return Frame(
+            self.scopes + compat.scope_names(eqn),
+            self.repeats,
+            self.transposed or compat.is_transposed(eqn),
+            self.caller,
+        )
+
+    def call(self, eqn: Any, repeats: int = 1) -> "Frame":
+        """The frame of a sub-jaxpr of `eqn` (this frame being `eqn`'s own)."""
+        return dataclasses.replace(
+            self, repeats=self.repeats * repeats, caller=(self, eqn)
+        )
+
+    def source(self, eqn: Any) -> str:
+        """The user source line of `eqn`, or of the call it runs inside: ops in
+        library sub-jaxprs (`jnp.var` is a `jit`) have no user frame of their own."""
+        line = compat.source_line(eqn)
+        if line != compat.UNKNOWN_SOURCE or self.caller is None:
+            return line
+        frame, call_eqn = self.caller
+        return frame.source(call_eqn)
+
+
+Evaluate = Callable[..., list]
+
+
+class Hook:
+    """What a pass over a jaxpr does at each equation. The default evaluates the
+    program unchanged."""
+
+    # Run control flow in Python on concrete values (see the module docstring).
+    eager: ClassVar[bool] = False
+
+    def enter_jaxpr(self, frame: Frame) -> "Hook":
+        """The hook for one jaxpr (the whole program or a sub-jaxpr), for a pass that
+        keeps state per jaxpr."""
+        del frame
+        return self
+
+    def equation(
+        self,
+        eqn: Any,
+        invals: list,
+        from_params: list[bool],
+        frame: Frame,
+        evaluate: Evaluate,
+    ) -> list:
+        """The outputs of `eqn`. `evaluate(invals, params=None)` runs it the
+        evaluator's way: it binds a first-order primitive (with `params` in place
+        of the equation's own, if given) and recurses into a higher-order one."""
+        del eqn, from_params, frame
+        return evaluate(invals)
+
+
+def is_higher_order(eqn: Any) -> bool:
+    return bool(next(compat.sub_jaxprs(eqn.params), None)) and (
+        "update_jaxpr" not in eqn.params  # scatters: a combiner, not a sub-program
+    )
+
+
+def cast_to(values: Sequence[Any], dtypes: Sequence[np.dtype]) -> list[Any]:
+    """Casts floating values to the given floating dtypes (others pass through)."""
+    return [
+        lax.convert_element_type(v, d)
+        if is_floating_array(v) and jnp.issubdtype(d, jnp.floating) and v.dtype != d
+        else v
+        for v, d in zip(values, dtypes)
+    ]
+
+
+def traced_dtypes(atoms: Sequence[Any]) -> list[np.dtype]:
+    return [a.aval.dtype for a in atoms]
+
+
+def evaluate(
+    closed: Any,
+    args: Sequence[Any],
+    hook: Hook,
+    frame: Frame = Frame(),
+    from_params: Sequence[bool] | None = None,
+) -> tuple[list, list[bool]]:
+    """Evaluates a (closed or open) jaxpr under `hook`. `from_params` marks the
+    arguments that are parameters. Returns the outputs and which of them were
+    computed from parameters and constants alone."""
+    jaxpr, consts = compat.open_jaxpr(closed)
+    env: dict[Any, Any] = {}
+    param_env: dict[Any, bool] = {}
+
+    def read(atom):
+        if isinstance(atom, compat.Literal):
+            return atom.val, True
+        return env[atom], param_env[atom]
+
+    env.update(zip(jaxpr.constvars, consts))
+    param_env.update((v, True) for v in jaxpr.constvars)
+    env.update(zip(jaxpr.invars, args))
+    flags = [False] * len(args) if from_params is None else list(from_params)
+    param_env.update(zip(jaxpr.invars, flags))
+    jaxpr_hook = hook.enter_jaxpr(frame)
+    for eqn in jaxpr.eqns:
+        invals, in_flags = (
+            map(list, zip(*map(read, eqn.invars))) if eqn.invars else ([], [])
+        )
+        eqn_frame = frame.enter(eqn)
+        out_flags = [all(in_flags)] * len(eqn.outvars)
+
+        def evaluate_eqn(
+            vals,
+            params=None,
+            *,
+            eqn=eqn,
+            eqn_frame=eqn_frame,
+            in_flags=in_flags,
+            out_flags=out_flags,
+        ):
+            outs, flags = _evaluate_equation(
+                eqn, vals, in_flags, eqn_frame, hook, params
+            )
+            out_flags[:] = flags
+            return outs
+
+        with compat.equation_context(eqn):
+            outvals = jaxpr_hook.equation(
+                eqn, invals, in_flags, eqn_frame, evaluate_eqn
+            )
+        env.update(zip(eqn.outvars, outvals))
+        param_env.update(zip(eqn.outvars, out_flags))
+    outs, out_flags = zip(*map(read, jaxpr.outvars)) if jaxpr.outvars else ((), ())
+    return list(outs), list(out_flags)
+
+
+def evaluate_function(
+    fn: Callable,
+    args: Sequence[Any],
+    hook: Hook,
+    frame: Frame = Frame(),
+    *,
+    params_are: Callable[[Any], bool] | None = None,
+) -> Any:
+    """Traces `fn(*args)` and evaluates it under `hook`. Non-array arguments and
+    outputs pass through statically; array outputs come back in the dtypes `fn`
+    returns (as the same types: a constant output is a `jax.Array` too).
+    `params_are(node)` marks the subtrees of `args` whose arrays are parameters."""
+    dynamic, static = eqx.partition(list(args), eqx.is_array)
+    leaves, treedef = jtu.tree_flatten(dynamic)
+    from_params = None if params_are is None else _parameter_leaves(dynamic, params_are)
+    static_out = []
+
+    def flat_fn(*leaves):
+        out = fn(*eqx.combine(jtu.tree_unflatten(treedef, leaves), static))
+        dynamic_out, static_part = eqx.partition(out, eqx.is_array)
+        static_out.append(static_part)
+        return dynamic_out
+
+    closed, out_shapes = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
+    flat_shapes, out_treedef = jtu.tree_flatten(out_shapes)
+    outs, _ = evaluate(closed, leaves, hook, frame, from_params)
+    outs = [jnp.asarray(v) for v in cast_to(outs, [s.dtype for s in flat_shapes])]
+    return eqx.combine(jtu.tree_unflatten(out_treedef, outs), static_out[0])
+
+
+def _parameter_leaves(tree: Any, params_are: Callable[[Any], bool]) -> list[bool]:
+    flags = []
+    for node in jtu.tree_leaves(tree, is_leaf=params_are):
+        flags += [params_are(node)] * len(jtu.tree_leaves(node))
+    return flags
+
+
+#
+# Equations.
+#
+
+
+def _evaluate_equation(eqn, invals, in_flags, frame, hook, params):
+    rule = _HIGHER_ORDER.get(eqn.primitive)
+    if rule is not None:
+        if params is not None:
+            raise ValueError(
+                f"The params of the higher-order primitive `{eqn.primitive}` cannot "
+                "be replaced; its body is evaluated under the hook instead."
+            )
+        outs, out_flags = rule(eqn, invals, in_flags, frame, hook)
+        return list(outs), list(out_flags)
+    if is_higher_order(eqn):
+        _warn_unknown_higher_order(str(eqn.primitive))
+        return _opaque(eqn, invals, in_flags)
+    if eqn.primitive in compat.CALLBACK_PRIMITIVES:
+        return _opaque(eqn, invals, in_flags)
+    if params is not None and "update_jaxpr" in params:
+        floating = [v for v in invals if is_floating_array(v)]
+        if floating:
+            params = compat.retype_update_jaxpr(params, floating[0].dtype)
+    outs = compat.bind(eqn, invals, params)
+    return outs, [all(in_flags)] * len(outs)
+
+
+def _opaque(eqn, invals, in_flags):
+    """Runs an equation at the dtypes it was traced with."""
+    outs = compat.bind(eqn, cast_to(invals, traced_dtypes(eqn.invars)))
+    return outs, [all(in_flags)] * len(outs)
+
+
+@ft.cache
+def _warn_unknown_higher_order(name: str) -> None:
+    warnings.warn(
+        f"eqx_amp does not know the higher-order primitive `{name}`: it is run "
+        "unchanged, at the dtypes it was traced with, and the ops inside it are not "
+        "cast or inspected.",
+        stacklevel=6,
+    )
+
+
+def _body(closed, hook, frame, in_flags):
+    """A function evaluating `closed` under `hook`, for a public transformation or a
+    re-bound primitive to trace; it records which outputs come from parameters."""
+    out_flags: list[bool] = []
+
+    def body(*args):
+        outs, flags = evaluate(closed, args, hook, frame, in_flags)
+        out_flags[:] = flags
+        return outs
+
+    return body, out_flags
+
+
+def _inline(param: str) -> Callable:
+    def rule(eqn, invals, in_flags, frame, hook):
+        return evaluate(eqn.params[param], invals, hook, frame.call(eqn), in_flags)
+
+    return rule
+
+
+def _jit(eqn, invals, in_flags, frame, hook):
+    if hook.eager:
+        return _inline("jaxpr")(eqn, invals, in_flags, frame, hook)
+    body, out_flags = _body(eqn.params["jaxpr"], hook, frame.call(eqn), in_flags)
+    body.__name__ = eqn.params.get("name", "jit")
+    # Traced at the types the inputs have now (dtype, sharding, varying axes).
+    jaxpr = jax.make_jaxpr(body)(*invals)
+    return compat.bind_jit(eqn.params, jaxpr, invals), out_flags
+
+
+def _checkpoint(eqn, invals, in_flags, frame, hook):
+    if hook.eager:
+        return _inline("jaxpr")(eqn, invals, in_flags, frame, hook)
+    body, out_flags = _body(eqn.params["jaxpr"], hook, frame.call(eqn), in_flags)
+    outs = jax.checkpoint(
+        body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
+    )(*invals)
+    return outs, out_flags
+
+
+def _shard_map(eqn, invals, in_flags, frame, hook):
+    if hook.eager:
+        # Per-device programs need their mesh: run it as it was traced.
+        return _opaque(eqn, invals, in_flags)
+    body, out_flags = _body(eqn.params["jaxpr"], hook, frame.call(eqn), in_flags)
+    outs = jax.shard_map(
+        lambda *args: tuple(body(*args)), **compat.shard_map_params(eqn.params)
+    )(*invals)
+    return list(outs), out_flags
+
+
+def _scan(eqn, invals, in_flags, frame, hook):
+    num_consts, num_carry = compat.scan_counts(eqn.params)
+    length, reverse = eqn.params["length"], eqn.params["reverse"]
+    consts = invals[:num_consts]
+    carry_dtypes = traced_dtypes(eqn.invars[num_consts : num_consts + num_carry])
+    init = cast_to(invals[num_consts : num_consts + num_carry], carry_dtypes)
+    xs = invals[num_consts + num_carry :]
+    # Carries are data: whether they come from parameters could change per iteration.
+    body_flags = [
+        *in_flags[:num_consts],
+        *[False] * num_carry,
+        *in_flags[num_consts + num_carry :],
+    ]
+    body_frame = frame.call(eqn, length)
+    ys_flags: list[bool] = []
+
+    def step(carry, x):
+        outs, flags = evaluate(
+            eqn.params["jaxpr"], [*consts, *carry, *x], hook, body_frame, body_flags
+        )
+        ys_flags[:] = flags[num_carry:]
+        return cast_to(outs[:num_carry], carry_dtypes), outs[num_carry:]
+
+    if hook.eager:
+        carry, ys = init, []
+        for i in reversed(range(length)) if reverse else range(length):
+            carry, y = step(carry, [x[i] for x in xs])
+            ys.append(y)
+        ys.reverse() if reverse else None
+        ys_avals = [v.aval for v in eqn.outvars[num_carry:]]
+        ys = [
+            jnp.stack([y[k] for y in ys]) if ys else jnp.zeros(a.shape, a.dtype)
+            for k, a in enumerate(ys_avals)
+        ]
+        return [*carry, *ys], [False] * num_carry + (ys_flags or [False] * len(ys))
+    kwargs = {"_split_transpose": True} if eqn.params.get("_split_transpose") else {}
+    carry, ys = lax.scan(
+        step,
+        init,
+        xs,
+        length=length,
+        reverse=reverse,
+        unroll=eqn.params["unroll"],
+        **kwargs,
+    )
+    return [*carry, *ys], [False] * num_carry + ys_flags
+
+
+def _while(eqn, invals, in_flags, frame, hook):
+    cond_nconsts = eqn.params["cond_nconsts"]
+    body_nconsts = eqn.params["body_nconsts"]
+    cond_consts = invals[:cond_nconsts]
+    body_consts = invals[cond_nconsts : cond_nconsts + body_nconsts]
+    carry_vars = eqn.invars[cond_nconsts + body_nconsts :]
+    carry_dtypes = traced_dtypes(carry_vars)
+    init = cast_to(invals[cond_nconsts + body_nconsts :], carry_dtypes)
+    carry_flags = [False] * len(carry_vars)
+    body_frame = frame.call(eqn)
+
+    def cond_fun(carry):
+        flags = [*in_flags[:cond_nconsts], *carry_flags]
+        return evaluate(
+            eqn.params["cond_jaxpr"], [*cond_consts, *carry], hook, body_frame, flags
+        )[0][0]
+
+    def body_fun(carry):
+        flags = [*in_flags[cond_nconsts : cond_nconsts + body_nconsts], *carry_flags]
+        outs, _ = evaluate(
+            eqn.params["body_jaxpr"], [*body_consts, *carry], hook, body_frame, flags
+        )
+        return cast_to(outs, carry_dtypes)
+
+    if hook.eager:
+        carry = init
+        while bool(cond_fun(carry)):
+            carry = body_fun(carry)
+        return carry, carry_flags
+    return lax.while_loop(cond_fun, body_fun, init), carry_flags
+
+
+def _cond(eqn, invals, in_flags, frame, hook):
+    index, *operands = invals
+    out_dtypes = traced_dtypes(eqn.outvars)
+    body_frame = frame.call(eqn)
+    out_flags = [False] * len(eqn.outvars)
+
+    def branch(closed, *ops):
+        outs, _ = evaluate(closed, ops, hook, body_frame, in_flags[1:])
+        return cast_to(outs, out_dtypes)
+
+    branches = eqn.params["branches"]
+    if hook.eager:
+        chosen = branches[int(np.clip(int(index), 0, len(branches) - 1))]
+        return branch(chosen, *operands), out_flags
+    return lax.switch(
+        index, [ft.partial(branch, b) for b in branches], *operands
+    ), out_flags
+
+
+def _custom_jvp(eqn, invals, in_flags, frame, hook):
+    body_frame = frame.call(eqn)
+    if hook.eager:
+        return evaluate(eqn.params["call_jaxpr"], invals, hook, body_frame, in_flags)
+    params = compat.bind_params(eqn)
+    fun, jvp = params.pop("subfuns")
+    call_jaxpr = eqn.params["call_jaxpr"]
+    original = traced_dtypes(eqn.invars)
+    out_flags = [all(in_flags)] * len(eqn.outvars)
+    if params.get("symbolic_zeros"):
+        # Such rules receive zeros as objects and cannot be re-traced at other
+        # dtypes: call them at the dtypes they were written for.
+        out_dtypes = traced_dtypes(eqn.outvars)
+
+        def fun_at_traced_dtypes(*args):
+            return cast_to(evaluate(call_jaxpr, args, hook, body_frame)[0], out_dtypes)
+
+        outs = eqn.primitive.bind(
+            *cast_to(invals, original),
+            subfuns=(compat.wrap_like(fun_at_traced_dtypes, fun), jvp),
+            **params,
+        )
+        return outs, out_flags
+
+    def new_fun(*args):
+        return evaluate(call_jaxpr, args, hook, body_frame, in_flags)[0]
+
+    def new_jvp(*primals_and_tangents):
+        # The user's rule is traced once, at the dtypes it was written for, and then
+        # evaluated under the hook at the dtypes that arrive, so values flow through
+        # it (a bfloat16 activation stays bfloat16 through `jax.nn.relu`).
+        n = len(primals_and_tangents) // 2
+        rule, primal_dtypes = _jvp_rule(eqn, jvp, new_fun, primals_and_tangents[:n])
+        outs, _ = evaluate(rule, primals_and_tangents, hook, body_frame)
+        half = len(outs) // 2
+        return cast_to(outs[:half], primal_dtypes) + cast_to(outs[half:], primal_dtypes)
+
+    outs = eqn.primitive.bind(
+        *invals,
+        subfuns=(compat.wrap_like(new_fun, fun), compat.wrap_like(new_jvp, jvp)),
+        **params,
+    )
+    return outs, out_flags
+
+
+# A jvp rule traced at its written dtypes, and the primal output dtypes at the dtypes
+# that arrive, per (equation, arriving types): JAX may call a rule more than once,
+# and each call would otherwise re-run the user's Python and re-trace the primal.
+_jvp_rules: "dict[tuple, tuple[Any, Any, list[np.dtype]]]" = {}
+
+
+def _jvp_rule(eqn, jvp, new_fun, primals) -> tuple[Any, list[np.dtype]]:
+    arriving = tuple((x.shape, jnp.result_type(x)) for x in primals)
+    key = (id(eqn), arriving)
+    cached = _jvp_rules.get(key)
+    if cached is not None and cached[0] is eqn:
+        return cached[1], cached[2]
+    original = traced_dtypes(eqn.invars)
+    written_for = [
+        jax.ShapeDtypeStruct(x.shape, d if is_floating_array(x) else x.dtype)
+        for x, d in zip(primals, original)
+    ] * 2
+    rule = jax.make_jaxpr(ft.partial(compat.call_wrapped, jvp))(*written_for)
+    primal_dtypes = [s.dtype for s in jax.eval_shape(new_fun, *primals)]
+    if len(_jvp_rules) > 4096:
+        _jvp_rules.clear()
+    # The equation is kept with its entry, so its id cannot be reused meanwhile.
+    _jvp_rules[key] = (eqn, rule, primal_dtypes)
+    return rule, primal_dtypes
+
+
+def _custom_vjp(eqn, invals, in_flags, frame, hook):
+    body_frame = frame.call(eqn)
+    if hook.eager:
+        return evaluate(eqn.params["call_jaxpr"], invals, hook, body_frame, in_flags)
+    params = compat.bind_params(eqn)
+    fun, fwd, bwd = params.pop("subfuns")
+    call_jaxpr = eqn.params["call_jaxpr"]
+    out_dtypes = traced_dtypes(eqn.outvars)
+
+    def new_fun(*args):
+        return cast_to(evaluate(call_jaxpr, args, hook, body_frame)[0], out_dtypes)
+
+    def new_fwd(*args):
+        # The residuals come back in the dtypes the user's forward rule gives them,
+        # so their backward rule sees exactly what it was written for.
+        return evaluate_function(
+            ft.partial(compat.call_wrapped, fwd), args, hook, body_frame
+        )
+
+    outs = eqn.primitive.bind(
+        *cast_to(invals, traced_dtypes(eqn.invars)),
+        subfuns=(compat.wrap_like(new_fun, fun), compat.wrap_like(new_fwd, fwd), bwd),
+        **params,
+    )
+    return outs, [all(in_flags)] * len(outs)
+
+
+_HIGHER_ORDER: dict[Any, Callable] = {
+    compat.jit_p: _jit,
+    compat.closed_call_p: _inline("call_jaxpr"),
+    compat.remat_p: _checkpoint,
+    compat.scan_p: _scan,
+    compat.while_p: _while,
+    compat.cond_p: _cond,
+    compat.shard_map_p: _shard_map,
+    compat.custom_jvp_call_p: _custom_jvp,
+    compat.custom_vjp_call_p: _custom_vjp,
+}
+if compat.call_p is not None:
+    _HIGHER_ORDER[compat.call_p] = _inline("call_jaxpr")
+if compat.eval_jaxpr_p is not None:
+    _HIGHER_ORDER[compat.eval_jaxpr_p] = _inline("jaxpr")
