@@ -15,6 +15,7 @@ compute-dtype arrays and `None` everywhere else; leaves the filter spec keeps
 the whole model from the two.
 """
 
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -23,7 +24,14 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._cast import cast_all_but_state, is_floating_array
+from ._cast import (
+    at_least_float32,
+    cast_all_but_state,
+    describe_leaves,
+    drop_state,
+    is_floating_array,
+    overflowing_leaves,
+)
 from ._filter_amp import filter_amp
 from ._filters import FilterSpec, default_filter_spec, selection_mask
 from ._grad import filter_grad, filter_value_and_grad
@@ -173,8 +181,10 @@ class BiModel(eqx.Module):
         policy = resolve_policy(policy)
         spec = default_filter_spec(model) if filter_spec is None else filter_spec
         mask = selection_mask(model, spec)
+        _check_master_fits(model, policy)
         master = cast_all_but_state(model, lambda _: policy.param_dtype)
         compute = policy.compute_dtype
+        _warn_if_compute_overflows(master, policy, mask)
 
         def compute_only(selected, leaf):
             if selected and is_floating_array(leaf) and leaf.dtype != compute:
@@ -256,8 +266,8 @@ class BiModel(eqx.Module):
         - `updates`: a pytree with the structure of `master` (as
             `optimizer.update(grads, opt_state, eqx.filter(bimodel.master,
             eqx.is_inexact_array))` returns it), with `None` where there is nothing
-            to update. Each update is added in the dtype of its master leaf (an
-            update in another floating dtype is cast to it first).
+            to update. Each update is added in at least float32 and the sum is
+            rounded once to the dtype of its master leaf.
 
         **Returns:**
 
@@ -268,7 +278,10 @@ class BiModel(eqx.Module):
 
         `ValueError` naming `updates`, if its structure does not match `master`, if
         it has an update for a leaf that is not a floating array, or if an update
-        is not a floating array of the master leaf's shape.
+        is not a floating array of the master leaf's shape; `ValueError` naming the
+        leaves, where the new master weights are concrete (outside `jit`) and one
+        is too large for the master dtype. A `UserWarning` naming the leaves where
+        one is too large for the compute dtype.
         """
         update_leaves, update_def = jtu.tree_flatten(updates, is_leaf=_is_none)
         try:
@@ -279,11 +292,20 @@ class BiModel(eqx.Module):
             _check_update(update, leaf)
 
         def add(update, leaf):
+            # In at least float32, rounded once to the master's dtype.
             if update is None:
                 return leaf
-            return leaf + update.astype(leaf.dtype)
+            wide = at_least_float32(leaf.dtype)
+            return leaf.astype(wide) + update.astype(wide)
 
-        master = jtu.tree_map(add, updates, self.master, is_leaf=_is_none)
+        wide_master = jtu.tree_map(add, updates, self.master, is_leaf=_is_none)
+        _check_master_fits(wide_master, self.policy, updated=True)
+        master = jtu.tree_map(
+            lambda new, old: new if new is old else new.astype(old.dtype),
+            wide_master,
+            self.master,
+        )
+        _warn_if_compute_overflows(master, self.policy, self.filter_spec)
 
         def refresh(compute_only, leaf):
             return None if compute_only is None else leaf.astype(compute_only.dtype)
@@ -371,6 +393,56 @@ class BiModel(eqx.Module):
             self,
             (master, compute_only),
             is_leaf=_is_none,
+        )
+
+
+_MASTER_OVERFLOWS = (
+    "The master weights are stored in {dtype} (the policy's parameter dtype), which "
+    "cannot hold the value{s} of {leaves}: storing {it} would give inf and lose the "
+    'weight{s}{when}. Keep the master in float32 (`policy="p=f32,c={dtype}"` or '
+    '`"mixed_float16"`), or rescale the model.'
+)
+_COMPUTE_OVERFLOWS = (
+    "The compute copy is {dtype}, which cannot hold the value{s} of {leaves}: {it} "
+    "will be inf in every forward pass, every step's gradients will be non-finite, "
+    "and a dynamic loss scale will sit at its floor. Keep {them} in float32 with a "
+    "filter spec (`eqx_amp.keep(model, ...)`), use bfloat16, or rescale the model."
+)
+
+
+def _plural(paths: list[str]) -> dict[str, str]:
+    many = len(paths) > 1
+    return {
+        "s": "s" if many else "",
+        "it": "them" if many else "it",
+        "them": "those leaves" if many else "that leaf",
+        "leaves": describe_leaves(paths),
+    }
+
+
+def _check_master_fits(model: PyTree, policy: Policy, updated: bool = False) -> None:
+    """Raises where a (concrete) weight is too large for the master dtype."""
+    paths = overflowing_leaves(drop_state(model), policy.param_dtype)
+    if paths:
+        when = " after this update" if updated else ""
+        raise ValueError(
+            _MASTER_OVERFLOWS.format(
+                dtype=policy.param_dtype.name, when=when, **_plural(paths)
+            )
+        )
+
+
+def _warn_if_compute_overflows(
+    master: PyTree, policy: Policy, mask: PyTree[bool]
+) -> None:
+    """Warns where a (concrete) selected weight is too large for the compute dtype."""
+    paths = overflowing_leaves(master, policy.compute_dtype, mask)
+    if paths:
+        warnings.warn(
+            _COMPUTE_OVERFLOWS.format(
+                dtype=policy.compute_dtype.name, **_plural(paths)
+            ),
+            stacklevel=3,
         )
 
 

@@ -153,3 +153,36 @@ def cast_all_but_state(
 
     is_state = lambda x: isinstance(x, STATE_TYPES)  # noqa: E731
     return jtu.tree_map(lambda x: x if is_state(x) else cast(x), tree, is_leaf=is_state)
+
+
+def overflowing_leaves(
+    tree: PyTree, dtype: Any, mask: PyTree[bool] | None = None
+) -> list[str]:
+    """The paths of the concrete floating arrays of `tree` (those `mask` selects)
+    holding a finite value too large for `dtype`: casting them would store inf.
+    Traced arrays cannot be checked and are passed over."""
+    dtype = jnp.dtype(dtype)
+    limit = float(jnp.finfo(dtype).max)
+    leaves = jtu.tree_leaves_with_path(tree)
+    selected = [True] * len(leaves) if mask is None else jtu.tree_leaves(mask)
+    found = []
+    for (path, leaf), keep in zip(leaves, selected):
+        if not (keep and is_floating_array(leaf)) or isinstance(leaf, jax.core.Tracer):
+            continue
+        if float(jnp.finfo(leaf.dtype).max) <= limit or leaf.size == 0:
+            continue
+        values = np.abs(np.asarray(leaf, np.float64))
+        if np.any(np.isfinite(values) & (values > limit)):
+            found.append(jtu.keystr(path))
+    return found
+
+
+def describe_leaves(paths: list[str], limit: int = 5) -> str:
+    shown = ", ".join(paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def drop_state(tree: PyTree) -> PyTree:
+    """`tree` with every `eqx.nn.State` replaced by `None`."""
+    is_state = lambda x: isinstance(x, STATE_TYPES)  # noqa: E731
+    return jtu.tree_map(lambda x: None if is_state(x) else x, tree, is_leaf=is_state)

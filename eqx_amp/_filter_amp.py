@@ -3,6 +3,7 @@
 import dataclasses
 import functools as ft
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -16,7 +17,10 @@ from ._cast import (
     at_least_float32,
     cast_all_but_state,
     cast_leaf,
+    describe_leaves,
+    drop_state,
     is_floating_array,
+    overflowing_leaves,
     widest_floating_dtype,
 )
 from ._filters import (
@@ -56,17 +60,12 @@ def _call_at(
     """Calls `fn` with floating inputs cast by `dtype_of`, and casts floating outputs
     back to the widest floating input dtype, so that the caller sees no change of
     dtype."""
-    caller_dtype = widest_floating_dtype(_drop_state((args, kwargs)))
+    caller_dtype = widest_floating_dtype(drop_state((args, kwargs)))
     args, kwargs = cast_all_but_state((args, kwargs), dtype_of)
     out = fn(*args, **kwargs)
     if caller_dtype is None:
         return out
     return cast_all_but_state(out, lambda _: caller_dtype)
-
-
-def _drop_state(tree: PyTree) -> PyTree:
-    is_state = lambda x: isinstance(x, STATE_TYPES)  # noqa: E731
-    return jtu.tree_map(lambda x: None if is_state(x) else x, tree, is_leaf=is_state)
 
 
 @ft.cache
@@ -261,7 +260,38 @@ def filter_amp(
     check_callable(fn, "filter_amp")
     policy = resolve_policy(policy)
     _check_filter_spec(fn, filter_spec)
+    _warn_if_weights_overflow(fn, policy, filter_spec)
     return eqx.module_update_wrapper(_AmpWrapper(fn, policy, filter_spec))
+
+
+_WEIGHTS_OVERFLOW = (
+    "`filter_amp` casts the weights to {dtype}, which cannot hold the value{s} of "
+    "{leaves}: {it} will be inf in every call. Keep {them} in the parameter dtype "
+    "with a filter spec (`eqx_amp.keep(model, ...)`), use bfloat16, or rescale the "
+    "model."
+)
+
+
+def _warn_if_weights_overflow(
+    fn: Any, policy: Policy, filter_spec: FilterSpec | None
+) -> None:
+    """Says once, where the weights are concrete, that some will be cast to inf."""
+    if not (isinstance(fn, eqx.Module) or _is_pytree_node(fn)):
+        return
+    spec = default_filter_spec(fn) if filter_spec is None else filter_spec
+    paths = overflowing_leaves(fn, policy.compute_dtype, selection_mask(fn, spec))
+    if paths:
+        many = len(paths) > 1
+        warnings.warn(
+            _WEIGHTS_OVERFLOW.format(
+                dtype=policy.compute_dtype.name,
+                leaves=describe_leaves(paths),
+                s="s" if many else "",
+                it="they" if many else "it",
+                them="those leaves" if many else "that leaf",
+            ),
+            stacklevel=3,
+        )
 
 
 def _check_filter_spec(fn: Any, filter_spec: FilterSpec | None) -> None:

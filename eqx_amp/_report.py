@@ -172,7 +172,7 @@ class _Census(Hook):
         # equation once per place it is called from.
         self._seen: set = set()
 
-    def equation(self, eqn, invals, from_params, frame, evaluate):
+    def equation(self, eqn, invals, origins, frame, evaluate):
         caller = None if frame.caller is None else id(frame.caller[1])
         key = (id(eqn), caller, frame.scopes, frame.repeats)
         if key not in self._seen:
@@ -338,7 +338,7 @@ class _FirstNonfinite(Hook):
 
     eager = True
 
-    def equation(self, eqn, invals, from_params, frame, evaluate):
+    def equation(self, eqn, invals, origins, frame, evaluate):
         outvals = evaluate(invals)
         _check(eqn, frame, invals, outvals)
         return outvals

@@ -1,3 +1,5 @@
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -557,3 +559,39 @@ def test_updates_with_none_subtrees_and_half_updates():
     assert float_dtypes(new.master) == {F32}
     assert_invariant(new)
     assert_bitwise_equal(bimodel.apply_updates(None), bimodel)
+
+
+def _with_large_weight(getkey, value=1e5):
+    model = eqx.nn.MLP(3, 2, 4, 1, key=getkey())
+    return eqx.tree_at(
+        lambda m: m.layers[0].weight, model, model.layers[0].weight.at[0, 0].set(value)
+    )
+
+
+def test_a_master_dtype_too_small_for_a_weight_raises(getkey):
+    model = _with_large_weight(getkey)
+    with pytest.raises(
+        ValueError,
+        match=r"master weights are stored in float16.*cannot hold the value of "
+        r"\.layers\[0\]\.weight: storing it would give inf",
+    ):
+        eqx_amp.BiModel(model, policy="float16")
+    bimodel = eqx_amp.BiModel(_with_large_weight(getkey, 6e4), policy="float16")
+    params = eqx.filter(bimodel.master, eqx.is_inexact_array)
+    updates = jax.tree_util.tree_map(lambda x: jnp.full_like(x, 1e4), params)
+    with pytest.raises(ValueError, match=r"after this update"):
+        bimodel.apply_updates(updates)
+
+
+def test_a_compute_dtype_too_small_for_a_weight_warns(getkey):
+    model = _with_large_weight(getkey)
+    with pytest.warns(
+        UserWarning,
+        match=r"compute copy is float16, which cannot hold the value of "
+        r"\.layers\[0\]\.weight",
+    ):
+        bimodel = eqx_amp.BiModel(model, policy="mixed_float16")
+    assert float(bimodel.master.layers[0].weight[0, 0]) == 1e5  # the master is kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eqx_amp.BiModel(model, policy="mixed_bfloat16")  # bfloat16 holds it

@@ -1,4 +1,5 @@
 import functools as ft
+import warnings
 
 import equinox as eqx
 import jax
@@ -359,3 +360,19 @@ def test_bad_inputs_raise_and_mutate_nothing(getkey):
         eqx_amp.filter_amp(np.ones(3))  # type: ignore[arg-type]
     assert eqx.tree_equal(model, before)
     assert float_dtypes(model) == {F32}
+
+
+def test_weights_too_large_for_the_compute_dtype_are_named_once(getkey):
+    model = eqx.nn.Linear(3, 3, key=getkey())
+    model = eqx.tree_at(lambda m: m.bias, model, model.bias.at[1].set(-7e4))
+    with pytest.warns(
+        UserWarning,
+        match=r"casts the weights to float16.*value of \.bias: it will be inf",
+    ):
+        amp = eqx_amp.filter_amp(model, policy="mixed_float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp(jnp.ones(3))  # said once, at `filter_amp(...)`
+        eqx_amp.filter_amp(model, policy="mixed_bfloat16")
+        spec = eqx_amp.keep(model, lambda m: m is model)
+        eqx_amp.filter_amp(model, policy="mixed_float16", filter_spec=spec)

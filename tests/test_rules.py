@@ -5,6 +5,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from jax import lax
 
 import eqx_amp
@@ -286,3 +287,33 @@ def test_a_value_is_cast_once_per_dtype(getkey):
         e for e, _ in eqns_named(jaxpr, "convert_element_type") if e.invars[0] is h
     ]
     assert len(casts_of_h) == 1
+
+
+def test_constants_saturate_instead_of_overflowing(getkey):
+    """A constant cast to a narrower dtype is clipped to its finite range: float32's
+    minimum, the fill value of a masked attention, becomes bfloat16's minimum, not
+    -inf, so a fully masked row's softmax is not NaN."""
+    mha = eqx.nn.MultiheadAttention(2, 8, key=getkey())
+    x = jr.normal(getkey(), (5, 8))
+    valid = jnp.array([True, True, True, False, False])
+    mask = valid[:, None] & valid[None, :]  # rows 3 and 4 are fully masked
+
+    def attend(m, q, mask):
+        return m(q, q, q, mask=mask)
+
+    expected = attend(mha, x, mask)
+    for policy in ("mixed_bfloat16", "mixed_float16"):
+        out = eqx_amp.autocast(attend, policy=policy)(mha, x, mask)
+        assert np.all(np.isfinite(out)), policy
+        assert rel_error(out, expected) < 2e-2
+
+    # Under float16 a large constant meets a float16 activation: 65504, not inf.
+    w = jr.normal(getkey(), (3, 3))
+    fn = eqx_amp.autocast(lambda x: jnp.minimum(x @ w, 1e5), policy="mixed_float16")
+    out = fn(jr.normal(getkey(), (3,)))
+    assert np.all(np.isfinite(out))
+    # Data is not clipped: an activation that overflows float16 stays visible.
+    huge = eqx_amp.autocast(lambda x: x @ w, policy="mixed_float16")(
+        jnp.full((3,), 1e5)
+    )
+    assert not np.all(np.isfinite(huge))

@@ -8,9 +8,22 @@ import numpy as np
 from jax import lax
 
 from .._cast import is_floating_array, is_floating_dtype, widest_dtype
-from .._jaxpr._evaluate import Evaluate, Frame, Hook, is_higher_order, traced_dtypes
+from .._jaxpr._evaluate import (
+    Evaluate,
+    Frame,
+    Hook,
+    Origin,
+    is_higher_order,
+    traced_dtypes,
+)
 from ._layer_calls import LayerCalls
-from ._rules import BuiltinRule, RuleTable, promotion_dtypes
+from ._rules import (
+    BuiltinRule,
+    RuleTable,
+    follows_activations,
+    promotion_dtypes,
+    saturate,
+)
 
 
 class AutocastHook(Hook):
@@ -36,26 +49,26 @@ class _JaxprCasts(Hook):
         self._casts = _CastCache()
         self._layer_calls = LayerCalls(frame)
 
-    def equation(self, eqn, invals, from_params, frame, evaluate: Evaluate) -> list:
+    def equation(self, eqn, invals, origins, frame, evaluate: Evaluate) -> list:
         call = self._layer_calls.call_of(eqn, frame)
         invals = self._layer_calls.read(
-            eqn.invars, invals, from_params, call, self._casts
+            eqn.invars, invals, follows_activations(origins), call, self._casts
         )
         if is_higher_order(eqn):
             outs = evaluate(invals)
         else:
-            outs = self._first_order(eqn, invals, from_params, frame, evaluate)
+            outs = self._first_order(eqn, invals, origins, frame, evaluate)
         self._layer_calls.made(eqn.outvars, call)
         return outs
 
-    def _first_order(self, eqn, invals, from_params, frame, evaluate) -> list:
+    def _first_order(self, eqn, invals, origins, frame, evaluate) -> list:
         original = traced_dtypes(eqn.invars)
         rule = self._rules.lookup(eqn.primitive, frame.scopes)
         if rule is None:
-            invals = _agree_if_they_did(invals, original, from_params)
+            invals = _agree_if_they_did(invals, original, origins, self._casts)
         elif isinstance(rule, BuiltinRule):
             invals = rule.cast(
-                self._compute_dtype, original, invals, from_params, self._casts
+                self._compute_dtype, original, invals, origins, self._casts
             )
         else:
             # A user's rule gets exactly what it returns.
@@ -80,9 +93,13 @@ class _CastCache:
     def __init__(self):
         self._casts: dict[tuple[int, np.dtype], tuple[Any, Any]] = {}
 
-    def __call__(self, value: Any, dtype: np.dtype | None) -> Any:
+    def __call__(
+        self, value: Any, dtype: np.dtype | None, origin: Origin = Origin.DATA
+    ) -> Any:
         if dtype is None or not is_floating_array(value) or value.dtype == dtype:
             return value
+        if origin is Origin.CONSTANT:
+            value = saturate(value, dtype)
         if isinstance(value, (np.ndarray, np.generic)):
             # A literal: cast now, so it stays a constant rather than becoming a
             # traced value (which the backward pass might save).
@@ -99,7 +116,7 @@ def _floating_positions(values: Sequence[Any]) -> list[int]:
 
 
 def _agree_if_they_did(
-    invals: list, original: list[np.dtype], from_params: list[bool]
+    invals: list, original: list[np.dtype], origins: list[Origin], cast: _CastCache
 ) -> list:
     """An op no rule covers runs on the dtypes that reach it, but where its floating
     operands had one dtype in the original program (as lax requires of most
@@ -109,10 +126,10 @@ def _agree_if_they_did(
         return invals
     if len({invals[i].dtype for i in positions}) == 1:
         return invals
-    target = widest_dtype(promotion_dtypes(invals, from_params))
+    target = widest_dtype(promotion_dtypes(invals, follows_activations(origins)))
     return [
-        lax.convert_element_type(v, target) if i in positions else v
-        for i, v in enumerate(invals)
+        cast(v, target, origin) if i in positions else v
+        for i, (v, origin) in enumerate(zip(invals, origins))
     ]
 
 

@@ -10,7 +10,7 @@ from jax import lax
 from .._cast import at_least_float32, is_floating_array, is_floating_dtype, widest_dtype
 from .._filters import FULL_PRECISION_SCOPE, NORM_SCOPES
 from .._jaxpr import _compat as compat
-from .._jaxpr._evaluate import MATMUL_PRIMITIVES
+from .._jaxpr._evaluate import MATMUL_PRIMITIVES, Origin
 
 
 # A rule has jaxamp's signature: it receives the compute dtype, the dtypes the
@@ -23,10 +23,33 @@ def _floating_dtypes(values: Sequence[Any]) -> list[np.dtype]:
     return [v.dtype for v in values if is_floating_array(v)]
 
 
-def _cast(value: Any, dtype: np.dtype | None) -> Any:
+def _cast(value: Any, dtype: np.dtype | None, origin: Origin = Origin.DATA) -> Any:
     if dtype is None or not is_floating_array(value) or value.dtype == dtype:
         return value
+    if origin is Origin.CONSTANT:
+        value = saturate(value, dtype)
     return lax.convert_element_type(value, dtype)
+
+
+def saturate(value: Any, dtype: np.dtype) -> Any:
+    """`value` clipped to the finite range of `dtype`, where that range is narrower
+    than its own: a constant such as a mask's fill value (float32's minimum) becomes
+    the narrower dtype's minimum, not -inf (and a fully masked softmax row, not NaN).
+    NumPy values are clipped now; traced ones by an op XLA folds into the cast."""
+    low, high = (float(x) for x in (jnp.finfo(dtype).min, jnp.finfo(dtype).max))
+    if float(jnp.finfo(value.dtype).max) <= high:
+        return value
+    if isinstance(value, (np.ndarray, np.generic)):
+        return np.clip(value, low, high)
+    return lax.clamp(
+        jnp.asarray(low, value.dtype), value, jnp.asarray(high, value.dtype)
+    )
+
+
+def follows_activations(origins: Sequence[Origin]) -> list[bool]:
+    """Which values follow the activations they meet: those computed from parameters
+    and constants alone, which are weakly typed as Python scalars are in JAX."""
+    return [origin >= Origin.PARAMS for origin in origins]
 
 
 def promotion_dtypes(
@@ -56,24 +79,24 @@ class BuiltinRule:
 
     def __call__(self, compute_dtype, original_dtypes, *invals, **params):
         return self.cast(
-            compute_dtype, original_dtypes, invals, [False] * len(invals)
+            compute_dtype, original_dtypes, invals, [Origin.DATA] * len(invals)
         ), params
 
     def cast(
-        self, compute_dtype, original_dtypes, invals, from_params, cast=None
+        self, compute_dtype, original_dtypes, invals, origins, cast=None
     ) -> list[Any]:
-        """The inputs cast by this rule; `from_params` marks those computed from
-        parameters and constants alone, and `cast(value, dtype)` does the casting
-        (autocast passes one that casts each value once)."""
+        """The inputs cast by this rule; `origins` says what each was computed from,
+        and `cast(value, dtype, origin)` does the casting (autocast passes one that
+        casts each value once)."""
         cast = _cast if cast is None else cast
-        deciding = promotion_dtypes(invals, from_params)
+        deciding = promotion_dtypes(invals, follows_activations(origins))
         targets = [
             self._target(compute_dtype, original, value.dtype, deciding)
             if is_floating_array(value)
             else None
             for value, original in zip(invals, original_dtypes)
         ]
-        return [cast(v, t) for v, t in zip(invals, targets)]
+        return [cast(v, t, o) for v, t, o in zip(invals, targets, origins)]
 
     def __repr__(self) -> str:
         return f"eqx_amp.{self.name}"
@@ -116,11 +139,12 @@ class _ParameterLookup(BuiltinRule):
     compute dtype, as from a model cast by hand. Lookups of data, and slices of a
     parameter at constant positions, are not cast."""
 
-    def cast(self, compute_dtype, original_dtypes, invals, from_params, cast=None):
+    def cast(self, compute_dtype, original_dtypes, invals, origins, cast=None):
         cast = _cast if cast is None else cast
         table, *positions = invals
+        from_params = follows_activations(origins)
         if from_params[0] and not all(from_params[1:]):
-            table = cast(table, compute_dtype)
+            table = cast(table, compute_dtype, origins[0])
         return [table, *positions]
 
     def __repr__(self) -> str:

@@ -26,12 +26,13 @@ A hook that runs eagerly (`Hook.eager`) gets control flow run in Python on concr
 values instead: each `scan` and `while` iteration and the `cond` branch taken, with
 calls inlined, so that it sees every value the program computes.
 
-Alongside each value the evaluator tracks whether it was computed from parameters
-and constants alone (`from_params`): the arguments a caller marks as parameters,
-constants and literals are, and so is anything computed from them only.
+Alongside each value the evaluator tracks its `Origin`: computed from constants
+alone (literals, the jaxpr's constants, and what is computed from them only), from
+parameters and constants (the arguments a caller marks as parameters), or from data.
 """
 
 import dataclasses
+import enum
 import functools as ft
 import warnings
 from collections.abc import Callable, Sequence
@@ -52,6 +53,19 @@ from . import _compat as compat
 MATMUL_PRIMITIVES = compat.present(
     lax.dot_general_p, lax.conv_general_dilated_p, compat.ragged_dot_general_p
 )
+
+
+class Origin(enum.IntEnum):
+    """What a value was computed from. A value computed from several others has the
+    lowest of their origins: parameters times data is data."""
+
+    DATA = 0
+    PARAMS = 1  # parameters, possibly with constants
+    CONSTANT = 2
+
+
+def combined(origins: Sequence[Origin]) -> Origin:
+    return min(origins, default=Origin.CONSTANT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,14 +124,14 @@ class Hook:
         self,
         eqn: Any,
         invals: list,
-        from_params: list[bool],
+        origins: list[Origin],
         frame: Frame,
         evaluate: Evaluate,
     ) -> list:
         """The outputs of `eqn`. `evaluate(invals, params=None)` runs it the
         evaluator's way: it binds a first-order primitive (with `params` in place
         of the equation's own, if given) and recurses into a higher-order one."""
-        del eqn, from_params, frame
+        del eqn, origins, frame
         return evaluate(invals)
 
 
@@ -146,32 +160,31 @@ def evaluate(
     args: Sequence[Any],
     hook: Hook,
     frame: Frame = Frame(),
-    from_params: Sequence[bool] | None = None,
-) -> tuple[list, list[bool]]:
-    """Evaluates a (closed or open) jaxpr under `hook`. `from_params` marks the
-    arguments that are parameters. Returns the outputs and which of them were
-    computed from parameters and constants alone."""
+    origins: Sequence[Origin] | None = None,
+) -> tuple[list, list[Origin]]:
+    """Evaluates a (closed or open) jaxpr under `hook`. `origins` says what each
+    argument is (data by default). Returns the outputs and their origins."""
     jaxpr, consts = compat.open_jaxpr(closed)
     env: dict[Any, Any] = {}
-    param_env: dict[Any, bool] = {}
+    origin_env: dict[Any, Origin] = {}
 
     def read(atom):
         if isinstance(atom, compat.Literal):
-            return atom.val, True
-        return env[atom], param_env[atom]
+            return atom.val, Origin.CONSTANT
+        return env[atom], origin_env[atom]
 
     env.update(zip(jaxpr.constvars, consts))
-    param_env.update((v, True) for v in jaxpr.constvars)
+    origin_env.update((v, Origin.CONSTANT) for v in jaxpr.constvars)
     env.update(zip(jaxpr.invars, args))
-    flags = [False] * len(args) if from_params is None else list(from_params)
-    param_env.update(zip(jaxpr.invars, flags))
+    arg_origins = [Origin.DATA] * len(args) if origins is None else list(origins)
+    origin_env.update(zip(jaxpr.invars, arg_origins))
     jaxpr_hook = hook.enter_jaxpr(frame)
     for eqn in jaxpr.eqns:
-        invals, in_flags = (
+        invals, in_origins = (
             map(list, zip(*map(read, eqn.invars))) if eqn.invars else ([], [])
         )
         eqn_frame = frame.enter(eqn)
-        out_flags = [all(in_flags)] * len(eqn.outvars)
+        out_origins = [combined(in_origins)] * len(eqn.outvars)
 
         def evaluate_eqn(
             vals,
@@ -179,23 +192,23 @@ def evaluate(
             *,
             eqn=eqn,
             eqn_frame=eqn_frame,
-            in_flags=in_flags,
-            out_flags=out_flags,
+            in_origins=in_origins,
+            out_origins=out_origins,
         ):
-            outs, flags = _evaluate_equation(
-                eqn, vals, in_flags, eqn_frame, hook, params
+            outs, origins_made = _evaluate_equation(
+                eqn, vals, in_origins, eqn_frame, hook, params
             )
-            out_flags[:] = flags
+            out_origins[:] = origins_made
             return outs
 
         with compat.equation_context(eqn):
             outvals = jaxpr_hook.equation(
-                eqn, invals, in_flags, eqn_frame, evaluate_eqn
+                eqn, invals, in_origins, eqn_frame, evaluate_eqn
             )
         env.update(zip(eqn.outvars, outvals))
-        param_env.update(zip(eqn.outvars, out_flags))
-    outs, out_flags = zip(*map(read, jaxpr.outvars)) if jaxpr.outvars else ((), ())
-    return list(outs), list(out_flags)
+        origin_env.update(zip(eqn.outvars, out_origins))
+    outs, out_origins = zip(*map(read, jaxpr.outvars)) if jaxpr.outvars else ((), ())
+    return list(outs), list(out_origins)
 
 
 def evaluate_function(
@@ -212,7 +225,7 @@ def evaluate_function(
     `params_are(node)` marks the subtrees of `args` whose arrays are parameters."""
     dynamic, static = eqx.partition(list(args), eqx.is_array)
     leaves, treedef = jtu.tree_flatten(dynamic)
-    from_params = None if params_are is None else _parameter_leaves(dynamic, params_are)
+    origins = None if params_are is None else _parameter_leaves(dynamic, params_are)
     static_out = []
 
     def flat_fn(*leaves):
@@ -223,16 +236,17 @@ def evaluate_function(
 
     closed, out_shapes = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
     flat_shapes, out_treedef = jtu.tree_flatten(out_shapes)
-    outs, _ = evaluate(closed, leaves, hook, frame, from_params)
+    outs, _ = evaluate(closed, leaves, hook, frame, origins)
     outs = [jnp.asarray(v) for v in cast_to(outs, [s.dtype for s in flat_shapes])]
     return eqx.combine(jtu.tree_unflatten(out_treedef, outs), static_out[0])
 
 
-def _parameter_leaves(tree: Any, params_are: Callable[[Any], bool]) -> list[bool]:
-    flags = []
+def _parameter_leaves(tree: Any, params_are: Callable[[Any], bool]) -> list[Origin]:
+    origins = []
     for node in jtu.tree_leaves(tree, is_leaf=params_are):
-        flags += [params_are(node)] * len(jtu.tree_leaves(node))
-    return flags
+        origin = Origin.PARAMS if params_are(node) else Origin.DATA
+        origins += [origin] * len(jtu.tree_leaves(node))
+    return origins
 
 
 #
@@ -240,7 +254,7 @@ def _parameter_leaves(tree: Any, params_are: Callable[[Any], bool]) -> list[bool
 #
 
 
-def _evaluate_equation(eqn, invals, in_flags, frame, hook, params):
+def _evaluate_equation(eqn, invals, in_origins, frame, hook, params):
     rule = _HIGHER_ORDER.get(eqn.primitive)
     if rule is not None:
         if params is not None:
@@ -248,25 +262,25 @@ def _evaluate_equation(eqn, invals, in_flags, frame, hook, params):
                 f"The params of the higher-order primitive `{eqn.primitive}` cannot "
                 "be replaced; its body is evaluated under the hook instead."
             )
-        outs, out_flags = rule(eqn, invals, in_flags, frame, hook)
-        return list(outs), list(out_flags)
+        outs, out_origins = rule(eqn, invals, in_origins, frame, hook)
+        return list(outs), list(out_origins)
     if is_higher_order(eqn):
         _warn_unknown_higher_order(str(eqn.primitive))
-        return _opaque(eqn, invals, in_flags)
+        return _opaque(eqn, invals, in_origins)
     if eqn.primitive in compat.CALLBACK_PRIMITIVES:
-        return _opaque(eqn, invals, in_flags)
+        return _opaque(eqn, invals, in_origins)
     if params is not None and "update_jaxpr" in params:
         floating = [v for v in invals if is_floating_array(v)]
         if floating:
             params = compat.retype_update_jaxpr(params, floating[0].dtype)
     outs = compat.bind(eqn, invals, params)
-    return outs, [all(in_flags)] * len(outs)
+    return outs, [combined(in_origins)] * len(outs)
 
 
-def _opaque(eqn, invals, in_flags):
+def _opaque(eqn, invals, in_origins):
     """Runs an equation at the dtypes it was traced with."""
     outs = compat.bind(eqn, cast_to(invals, traced_dtypes(eqn.invars)))
-    return outs, [all(in_flags)] * len(outs)
+    return outs, [combined(in_origins)] * len(outs)
 
 
 @ft.cache
@@ -279,58 +293,58 @@ def _warn_unknown_higher_order(name: str) -> None:
     )
 
 
-def _body(closed, hook, frame, in_flags):
+def _body(closed, hook, frame, in_origins):
     """A function evaluating `closed` under `hook`, for a public transformation or a
-    re-bound primitive to trace; it records which outputs come from parameters."""
-    out_flags: list[bool] = []
+    re-bound primitive to trace; it records the origins of the outputs."""
+    out_origins: list[Origin] = []
 
     def body(*args):
-        outs, flags = evaluate(closed, args, hook, frame, in_flags)
-        out_flags[:] = flags
+        outs, origins = evaluate(closed, args, hook, frame, in_origins)
+        out_origins[:] = origins
         return outs
 
-    return body, out_flags
+    return body, out_origins
 
 
 def _inline(param: str) -> Callable:
-    def rule(eqn, invals, in_flags, frame, hook):
-        return evaluate(eqn.params[param], invals, hook, frame.call(eqn), in_flags)
+    def rule(eqn, invals, in_origins, frame, hook):
+        return evaluate(eqn.params[param], invals, hook, frame.call(eqn), in_origins)
 
     return rule
 
 
-def _jit(eqn, invals, in_flags, frame, hook):
+def _jit(eqn, invals, in_origins, frame, hook):
     if hook.eager:
-        return _inline("jaxpr")(eqn, invals, in_flags, frame, hook)
-    body, out_flags = _body(eqn.params["jaxpr"], hook, frame.call(eqn), in_flags)
+        return _inline("jaxpr")(eqn, invals, in_origins, frame, hook)
+    body, out_origins = _body(eqn.params["jaxpr"], hook, frame.call(eqn), in_origins)
     body.__name__ = eqn.params.get("name", "jit")
     # Traced at the types the inputs have now (dtype, sharding, varying axes).
     jaxpr = jax.make_jaxpr(body)(*invals)
-    return compat.bind_jit(eqn.params, jaxpr, invals), out_flags
+    return compat.bind_jit(eqn.params, jaxpr, invals), out_origins
 
 
-def _checkpoint(eqn, invals, in_flags, frame, hook):
+def _checkpoint(eqn, invals, in_origins, frame, hook):
     if hook.eager:
-        return _inline("jaxpr")(eqn, invals, in_flags, frame, hook)
-    body, out_flags = _body(eqn.params["jaxpr"], hook, frame.call(eqn), in_flags)
+        return _inline("jaxpr")(eqn, invals, in_origins, frame, hook)
+    body, out_origins = _body(eqn.params["jaxpr"], hook, frame.call(eqn), in_origins)
     outs = jax.checkpoint(
         body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
     )(*invals)
-    return outs, out_flags
+    return outs, out_origins
 
 
-def _shard_map(eqn, invals, in_flags, frame, hook):
+def _shard_map(eqn, invals, in_origins, frame, hook):
     if hook.eager:
         # Per-device programs need their mesh: run it as it was traced.
-        return _opaque(eqn, invals, in_flags)
-    body, out_flags = _body(eqn.params["jaxpr"], hook, frame.call(eqn), in_flags)
+        return _opaque(eqn, invals, in_origins)
+    body, out_origins = _body(eqn.params["jaxpr"], hook, frame.call(eqn), in_origins)
     outs = jax.shard_map(
         lambda *args: tuple(body(*args)), **compat.shard_map_params(eqn.params)
     )(*invals)
-    return list(outs), out_flags
+    return list(outs), out_origins
 
 
-def _scan(eqn, invals, in_flags, frame, hook):
+def _scan(eqn, invals, in_origins, frame, hook):
     num_consts, num_carry = compat.scan_counts(eqn.params)
     length, reverse = eqn.params["length"], eqn.params["reverse"]
     consts = invals[:num_consts]
@@ -338,19 +352,19 @@ def _scan(eqn, invals, in_flags, frame, hook):
     init = cast_to(invals[num_consts : num_consts + num_carry], carry_dtypes)
     xs = invals[num_consts + num_carry :]
     # Carries are data: whether they come from parameters could change per iteration.
-    body_flags = [
-        *in_flags[:num_consts],
-        *[False] * num_carry,
-        *in_flags[num_consts + num_carry :],
+    body_origins = [
+        *in_origins[:num_consts],
+        *[Origin.DATA] * num_carry,
+        *in_origins[num_consts + num_carry :],
     ]
     body_frame = frame.call(eqn, length)
-    ys_flags: list[bool] = []
+    ys_origins: list[Origin] = []
 
     def step(carry, x):
-        outs, flags = evaluate(
-            eqn.params["jaxpr"], [*consts, *carry, *x], hook, body_frame, body_flags
+        outs, origins = evaluate(
+            eqn.params["jaxpr"], [*consts, *carry, *x], hook, body_frame, body_origins
         )
-        ys_flags[:] = flags[num_carry:]
+        ys_origins[:] = origins[num_carry:]
         return cast_to(outs[:num_carry], carry_dtypes), outs[num_carry:]
 
     if hook.eager:
@@ -358,13 +372,16 @@ def _scan(eqn, invals, in_flags, frame, hook):
         for i in reversed(range(length)) if reverse else range(length):
             carry, y = step(carry, [x[i] for x in xs])
             ys.append(y)
-        ys.reverse() if reverse else None
+        if reverse:
+            ys.reverse()
         ys_avals = [v.aval for v in eqn.outvars[num_carry:]]
         ys = [
             jnp.stack([y[k] for y in ys]) if ys else jnp.zeros(a.shape, a.dtype)
             for k, a in enumerate(ys_avals)
         ]
-        return [*carry, *ys], [False] * num_carry + (ys_flags or [False] * len(ys))
+        return [*carry, *ys], [Origin.DATA] * num_carry + (
+            ys_origins or [Origin.DATA] * len(ys)
+        )
     kwargs = {"_split_transpose": True} if eqn.params.get("_split_transpose") else {}
     carry, ys = lax.scan(
         step,
@@ -375,10 +392,10 @@ def _scan(eqn, invals, in_flags, frame, hook):
         unroll=eqn.params["unroll"],
         **kwargs,
     )
-    return [*carry, *ys], [False] * num_carry + ys_flags
+    return [*carry, *ys], [Origin.DATA] * num_carry + ys_origins
 
 
-def _while(eqn, invals, in_flags, frame, hook):
+def _while(eqn, invals, in_origins, frame, hook):
     cond_nconsts = eqn.params["cond_nconsts"]
     body_nconsts = eqn.params["body_nconsts"]
     cond_consts = invals[:cond_nconsts]
@@ -386,19 +403,22 @@ def _while(eqn, invals, in_flags, frame, hook):
     carry_vars = eqn.invars[cond_nconsts + body_nconsts :]
     carry_dtypes = traced_dtypes(carry_vars)
     init = cast_to(invals[cond_nconsts + body_nconsts :], carry_dtypes)
-    carry_flags = [False] * len(carry_vars)
+    carry_origins = [Origin.DATA] * len(carry_vars)
     body_frame = frame.call(eqn)
 
     def cond_fun(carry):
-        flags = [*in_flags[:cond_nconsts], *carry_flags]
+        origins = [*in_origins[:cond_nconsts], *carry_origins]
         return evaluate(
-            eqn.params["cond_jaxpr"], [*cond_consts, *carry], hook, body_frame, flags
+            eqn.params["cond_jaxpr"], [*cond_consts, *carry], hook, body_frame, origins
         )[0][0]
 
     def body_fun(carry):
-        flags = [*in_flags[cond_nconsts : cond_nconsts + body_nconsts], *carry_flags]
+        origins = [
+            *in_origins[cond_nconsts : cond_nconsts + body_nconsts],
+            *carry_origins,
+        ]
         outs, _ = evaluate(
-            eqn.params["body_jaxpr"], [*body_consts, *carry], hook, body_frame, flags
+            eqn.params["body_jaxpr"], [*body_consts, *carry], hook, body_frame, origins
         )
         return cast_to(outs, carry_dtypes)
 
@@ -406,38 +426,38 @@ def _while(eqn, invals, in_flags, frame, hook):
         carry = init
         while bool(cond_fun(carry)):
             carry = body_fun(carry)
-        return carry, carry_flags
-    return lax.while_loop(cond_fun, body_fun, init), carry_flags
+        return carry, carry_origins
+    return lax.while_loop(cond_fun, body_fun, init), carry_origins
 
 
-def _cond(eqn, invals, in_flags, frame, hook):
+def _cond(eqn, invals, in_origins, frame, hook):
     index, *operands = invals
     out_dtypes = traced_dtypes(eqn.outvars)
     body_frame = frame.call(eqn)
-    out_flags = [False] * len(eqn.outvars)
+    out_origins = [Origin.DATA] * len(eqn.outvars)
 
     def branch(closed, *ops):
-        outs, _ = evaluate(closed, ops, hook, body_frame, in_flags[1:])
+        outs, _ = evaluate(closed, ops, hook, body_frame, in_origins[1:])
         return cast_to(outs, out_dtypes)
 
     branches = eqn.params["branches"]
     if hook.eager:
         chosen = branches[int(np.clip(int(index), 0, len(branches) - 1))]
-        return branch(chosen, *operands), out_flags
+        return branch(chosen, *operands), out_origins
     return lax.switch(
         index, [ft.partial(branch, b) for b in branches], *operands
-    ), out_flags
+    ), out_origins
 
 
-def _custom_jvp(eqn, invals, in_flags, frame, hook):
+def _custom_jvp(eqn, invals, in_origins, frame, hook):
     body_frame = frame.call(eqn)
     if hook.eager:
-        return evaluate(eqn.params["call_jaxpr"], invals, hook, body_frame, in_flags)
+        return evaluate(eqn.params["call_jaxpr"], invals, hook, body_frame, in_origins)
     params = compat.bind_params(eqn)
     fun, jvp = params.pop("subfuns")
     call_jaxpr = eqn.params["call_jaxpr"]
     original = traced_dtypes(eqn.invars)
-    out_flags = [all(in_flags)] * len(eqn.outvars)
+    out_origins = [combined(in_origins)] * len(eqn.outvars)
     if params.get("symbolic_zeros"):
         # Such rules receive zeros as objects and cannot be re-traced at other
         # dtypes: call them at the dtypes they were written for.
@@ -451,10 +471,10 @@ def _custom_jvp(eqn, invals, in_flags, frame, hook):
             subfuns=(compat.wrap_like(fun_at_traced_dtypes, fun), jvp),
             **params,
         )
-        return outs, out_flags
+        return outs, out_origins
 
     def new_fun(*args):
-        return evaluate(call_jaxpr, args, hook, body_frame, in_flags)[0]
+        return evaluate(call_jaxpr, args, hook, body_frame, in_origins)[0]
 
     def new_jvp(*primals_and_tangents):
         # The user's rule is traced once, at the dtypes it was written for, and then
@@ -471,7 +491,7 @@ def _custom_jvp(eqn, invals, in_flags, frame, hook):
         subfuns=(compat.wrap_like(new_fun, fun), compat.wrap_like(new_jvp, jvp)),
         **params,
     )
-    return outs, out_flags
+    return outs, out_origins
 
 
 # A jvp rule traced at its written dtypes, and the primal output dtypes at the dtypes
@@ -500,10 +520,10 @@ def _jvp_rule(eqn, jvp, new_fun, primals) -> tuple[Any, list[np.dtype]]:
     return rule, primal_dtypes
 
 
-def _custom_vjp(eqn, invals, in_flags, frame, hook):
+def _custom_vjp(eqn, invals, in_origins, frame, hook):
     body_frame = frame.call(eqn)
     if hook.eager:
-        return evaluate(eqn.params["call_jaxpr"], invals, hook, body_frame, in_flags)
+        return evaluate(eqn.params["call_jaxpr"], invals, hook, body_frame, in_origins)
     params = compat.bind_params(eqn)
     fun, fwd, bwd = params.pop("subfuns")
     call_jaxpr = eqn.params["call_jaxpr"]
@@ -524,7 +544,7 @@ def _custom_vjp(eqn, invals, in_flags, frame, hook):
         subfuns=(compat.wrap_like(new_fun, fun), compat.wrap_like(new_fwd, fwd), bwd),
         **params,
     )
-    return outs, [all(in_flags)] * len(outs)
+    return outs, [combined(in_origins)] * len(outs)
 
 
 _HIGHER_ORDER: dict[Any, Callable] = {
