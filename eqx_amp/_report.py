@@ -234,7 +234,7 @@ _DOMAIN_OPS = frozenset(
 
 @dataclasses.dataclass(frozen=True)
 class NonfiniteOp:
-    """The first op whose output is inf/nan while its inputs are finite.
+    """The op that made an inf/nan reaching the output from finite inputs.
 
     **Fields:** `primitive`, `scope`, `source` (file:line), `input_dtypes`,
     `input_ranges` (min and max of each floating input), `output_dtype`,
@@ -264,32 +264,39 @@ class NonfiniteOp:
         )
 
 
-class _Found(Exception):
-    def __init__(self, op: NonfiniteOp):
-        self.op = op
-
-
-def _all_finite(values: list) -> bool:
-    return all(
-        bool(np.all(np.isfinite(np.asarray(v, np.float32))))
-        for v in values
-        if eqx.is_array(v) and is_floating_dtype(v.dtype)
+def _nonfinite(value: Any) -> bool:
+    return (
+        eqx.is_array(value)
+        and jnp.issubdtype(value.dtype, jnp.inexact)
+        and not bool(np.all(np.isfinite(np.asarray(value))))
     )
 
 
-def _hint(name: str, out_dtype: np.dtype) -> str:
+def _all_finite(values: list) -> bool:
+    return not any(map(_nonfinite, values))
+
+
+def _hint(name: str, in_dtypes: tuple[str, ...], out_dtype: np.dtype) -> str:
+    largest = f"{float(jnp.finfo(out_dtype).max):.6g}"
+    # bfloat16 has float32's range: suggest it only where the trouble is float16's.
+    use_bfloat16 = (
+        ", or use bfloat16, which has float32's range"
+        if out_dtype == jnp.float16
+        else ""
+    )
     if name == "convert_element_type" and is_half_dtype(out_dtype):
+        source = in_dtypes[0] if in_dtypes else "a wider dtype"
         return (
-            f"a value too large for {out_dtype.name} (max "
-            f"{float(jnp.finfo(out_dtype).max):.6g}) was cast down to it, at a call "
-            "boundary or an explicit astype: keep it in float32 from where it is made "
-            "(compute with its logarithm, return it in float32), or use bfloat16."
+            f"a {source} value too large for {out_dtype.name} (max {largest}) was "
+            "cast down to it, at a call boundary, an autocast rule or an explicit "
+            "astype: keep it in float32 from where it is made (compute with its "
+            f"logarithm, return it in float32){use_bfloat16}."
         )
     if is_half_dtype(out_dtype):
         return (
-            f"{name} overflowed {out_dtype.name} (max {float(jnp.finfo(out_dtype).max):.6g}): "
-            "keep it in float32 with an `autocast` rule or `eqx_amp.full_precision`, "
-            "scale its inputs down, or use bfloat16, which has float32's range."
+            f"{name} overflowed {out_dtype.name} (max {largest}): keep it in float32 "
+            "with an `autocast` rule or `eqx_amp.full_precision`, or scale its inputs "
+            f"down{use_bfloat16}."
         )
     if name in _DOMAIN_OPS:
         return (
@@ -298,19 +305,12 @@ def _hint(name: str, out_dtype: np.dtype) -> str:
             "`jnp.where`."
         )
     return (
-        f"{name} overflowed {out_dtype.name} (max {float(jnp.finfo(out_dtype).max):.6g}): "
-        "its inputs are too large; check the scale of the values reaching it."
+        f"{name} overflowed {out_dtype.name} (max {largest}): its inputs are too "
+        "large; check the scale of the values reaching it."
     )
 
 
-def _check(eqn: Any, frame: Frame, invals: list, outvals: list) -> None:
-    if _all_finite(outvals) or not _all_finite(invals):
-        return
-    bad = next(
-        v
-        for v in outvals
-        if eqx.is_array(v) and is_floating_dtype(v.dtype) and not _all_finite([v])
-    )
+def _describe_op(eqn: Any, frame: Frame, invals: list, bad: Any) -> NonfiniteOp:
     floats = [v for v in invals if eqx.is_array(v) and is_floating_dtype(v.dtype)]
     ranges = tuple(
         (float(jnp.min(v.astype(jnp.float32))), float(jnp.max(v.astype(jnp.float32))))
@@ -319,36 +319,75 @@ def _check(eqn: Any, frame: Frame, invals: list, outvals: list) -> None:
         for v in floats
     )
     out_dtype = jnp.dtype(bad.dtype)
-    raise _Found(
-        NonfiniteOp(
-            primitive=eqn.primitive.name,
-            scope="/".join(frame.scopes),
-            source=frame.source(eqn),
-            input_dtypes=tuple(v.dtype.name for v in floats),
-            input_ranges=ranges,
-            output_dtype=out_dtype.name,
-            dtype_max=float(jnp.finfo(out_dtype).max),
-            hint=_hint(eqn.primitive.name, out_dtype),
-        )
+    in_dtypes = tuple(v.dtype.name for v in floats)
+    return NonfiniteOp(
+        primitive=eqn.primitive.name,
+        scope="/".join(frame.scopes),
+        source=frame.source(eqn),
+        input_dtypes=in_dtypes,
+        input_ranges=ranges,
+        output_dtype=out_dtype.name,
+        dtype_max=float(jnp.finfo(out_dtype).real.max)
+        if jnp.issubdtype(out_dtype, jnp.complexfloating)
+        else float(jnp.finfo(out_dtype).max),
+        hint=_hint(eqn.primitive.name, in_dtypes, out_dtype),
     )
 
 
-class _FirstNonfinite(Hook):
-    """Runs the program eagerly and stops at the first op that makes inf or nan."""
+class _NonfiniteSources(Hook):
+    """Runs the program eagerly and traces each inf or nan back to the op that made
+    it from finite inputs. A non-finite value the program never lets out (a NaN
+    constant `jnp.var` selects away) is not a source of anything."""
 
     eager = True
 
+    def __init__(self):
+        # id(value) -> (value, the op that made its inf/nan). The value is kept
+        # alive with its entry, so its id cannot be reused.
+        self._source_of: dict[int, tuple[Any, NonfiniteOp]] = {}
+        self._found: list[NonfiniteOp] = []  # every source, in the order made
+
     def equation(self, eqn, invals, origins, frame, evaluate):
+        found_before = len(self._found)
         outvals = evaluate(invals)
-        _check(eqn, frame, invals, outvals)
+        bad_out = [v for v in outvals if _nonfinite(v)]
+        if not bad_out:
+            return outvals
+        inherited = [
+            self._source_of[id(v)][1]
+            for v in invals
+            if _nonfinite(v) and id(v) in self._source_of
+        ]
+        if inherited:
+            source = min(inherited, key=self._found.index)
+        elif is_higher_order(eqn) and len(self._found) > found_before:
+            # Made inside the call: the first op in it that made one.
+            source = self._found[found_before]
+        elif _all_finite(invals):
+            source = _describe_op(eqn, frame, invals, bad_out[0])
+            self._found.append(source)
+        else:
+            return outvals  # an argument that already held inf or nan
+        for value in bad_out:
+            self._source_of.setdefault(id(value), (value, source))
         return outvals
+
+    def first_reaching(self, outputs: list) -> NonfiniteOp | None:
+        sources = [
+            self._source_of[id(v)][1]
+            for v in outputs
+            if _nonfinite(v) and id(v) in self._source_of
+        ]
+        return min(sources, key=self._found.index) if sources else None
 
 
 def find_nonfinite(fn: Callable, *args: Any, **kwargs: Any) -> NonfiniteOp | None:
     """Runs `fn(*args, **kwargs)` op by op, through every sub-jaxpr (jit, scan
     iterations, while iterations, the cond branch taken, custom_jvp/custom_vjp
-    functions), and names the first op whose output is inf or nan while its inputs
-    are finite.
+    functions), and names the op that made the inf or nan that reaches the output:
+    the first op whose output is inf or nan while its inputs are finite, among those
+    whose non-finite values flow on to what `fn` returns. An inf or nan the program
+    makes and then discards (`jnp.var` selects a NaN constant away) is not reported.
 
     Call it outside `jit` with concrete arrays: it is a debugging tool, and runs
     eagerly. It works on gradients too: `find_nonfinite(jax.grad(loss), params, x)`.
@@ -359,7 +398,7 @@ def find_nonfinite(fn: Callable, *args: Any, **kwargs: Any) -> NonfiniteOp | Non
 
     **Returns:**
 
-    `None` if every value is finite, otherwise a `NonfiniteOp` with the primitive,
+    `None` if every output is finite, otherwise a `NonfiniteOp` with the primitive,
     its named scope (Equinox's layers open scopes, so this names the layer), source
     line, input ranges, the output dtype's largest value, and a hint. `print` it for
     a readable message.
@@ -395,8 +434,6 @@ def find_nonfinite(fn: Callable, *args: Any, **kwargs: Any) -> NonfiniteOp | Non
             )
     closed = _trace(fn, args, kwargs)
     flat = [leaf for _, leaf in leaves if eqx.is_array(leaf)]
-    try:
-        evaluate(closed, flat, _FirstNonfinite())
-    except _Found as found:
-        return found.op
-    return None
+    sources = _NonfiniteSources()
+    outputs, _ = evaluate(closed, flat, sources)
+    return sources.first_reaching(outputs)

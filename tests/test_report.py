@@ -160,3 +160,37 @@ def test_find_nonfinite_names_a_down_cast_at_a_kept_boundary(getkey):
     assert "was cast down to it, at a call boundary" in bad.hint
     # The line is the user's call, not eqx_amp's cast.
     assert "eqx_amp" not in bad.source
+
+
+def test_find_nonfinite_ignores_what_the_program_discards():
+    x = jnp.arange(8.0)
+    # Both hold a NaN constant that a select keeps out of the output.
+    assert eqx_amp.find_nonfinite(eqx.nn.LayerNorm(8), x) is None
+    assert eqx_amp.find_nonfinite(jnp.var, x) is None
+
+    def discards_then_overflows(x):
+        discarded = jnp.where(x > 100, jnp.log(x - 100), 0.0)  # -inf/nan, selected away
+        return jnp.exp(x * 20) + discarded
+
+    bad = eqx_amp.find_nonfinite(discards_then_overflows, x)
+    assert bad.primitive == "exp"
+
+
+def test_find_nonfinite_hints_fit_the_dtypes():
+    to_bf16 = eqx_amp.find_nonfinite(
+        lambda x: (x * 3e38).astype(jnp.bfloat16) * 2, jnp.ones(2)
+    )
+    assert (to_bf16.primitive, to_bf16.output_dtype) == ("mul", "bfloat16")
+    assert "bfloat16, which has float32's range" not in to_bf16.hint
+    cast = eqx_amp.find_nonfinite(
+        lambda x: jnp.full((2,), 3.4e38, jnp.float32).astype(jnp.bfloat16) + x,
+        jnp.ones(2, jnp.bfloat16),
+    )
+    assert cast.primitive == "convert_element_type"
+    assert "bfloat16, which has float32's range" not in cast.hint
+    assert "a float32 value too large for bfloat16" in cast.hint
+    f16 = eqx_amp.find_nonfinite(
+        lambda x: x.astype(jnp.float16) * 2, jnp.full((2,), 7e4)
+    )
+    assert f16.primitive == "convert_element_type"
+    assert "or use bfloat16, which has float32's range" in f16.hint
