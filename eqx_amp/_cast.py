@@ -55,18 +55,87 @@ def cast_leaf(leaf: Any, dtype: np.dtype) -> Any:
     return leaf
 
 
-def floating_dtype(
-    dtype: Any, argname: str = "dtype", accepted_words: str = ""
-) -> np.dtype:
-    """`dtype` as an `np.dtype`, or a `ValueError` naming `argname` if it is not a
-    real floating dtype."""
+# One vocabulary of dtype words, for policies and for `cast_tree` alike (jmp's).
+HALF_WORDS = ("half", "16")
+FULL_WORDS = ("full", "single", "32")
+DTYPE_ALIASES = {
+    "f16": "float16",
+    "float16": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "f32": "float32",
+    "float32": "float32",
+    "f64": "float64",
+    "float64": "float64",
+    "double": "float64",
+}
+ACCEPTED_DTYPE_WORDS = ", ".join(
+    repr(w) for w in (*HALF_WORDS, *FULL_WORDS, *DTYPE_ALIASES)
+)
+
+
+def half_dtype() -> np.dtype:
+    """The half-precision dtype this platform computes fastest in.
+
+    bfloat16 on TPUs, CPUs and NVIDIA GPUs with native bfloat16 support (compute
+    capability 8.0 and up); float16 on older GPUs.
+    """
+    device = jax.devices()[0]
+    if device.platform in ("gpu", "cuda", "rocm"):
+        capability = getattr(device, "compute_capability", None)
+        if capability is not None:
+            major = int(str(capability).split(".")[0])
+            if major < 8:
+                return jnp.dtype(jnp.float16)
+    return jnp.dtype(jnp.bfloat16)
+
+
+def _jax_floating_dtypes() -> frozenset[np.dtype]:
+    """The real floating dtypes JAX holds that can carry signed values (not
+    `float8_e8m0fnu`, an unsigned exponent-only scale format; not NumPy's
+    `float128`, which JAX does not hold)."""
+    found = set()
+    for name in dir(jnp):
+        if not (name.startswith("float") or name == "bfloat16"):
+            continue
+        try:
+            dtype = jnp.dtype(getattr(jnp, name))
+        except TypeError:
+            continue
+        if is_floating_dtype(dtype) and float(jnp.finfo(dtype).min) < 0:
+            found.add(dtype)
+    return frozenset(found)
+
+
+_SIGNED_FLOATING = _jax_floating_dtypes()
+
+
+def floating_dtype(dtype: Any, argname: str = "dtype") -> np.dtype:
+    """`dtype` as an `np.dtype`, from any spelling: a JAX or NumPy dtype or type, or
+    a word (`"bf16"`, `"float16"`, `"half"` for the platform's half dtype, `"full"`
+    for float32, or any floating dtype name JAX holds). A `ValueError` naming
+    `argname` and the accepted words if it is not a signed real floating dtype that
+    JAX holds."""
+    original = dtype
+    if dtype is None:
+        # `np.dtype(None)` is float64: never a silent default.
+        raise ValueError(
+            f"`{argname}` must be a floating dtype such as jnp.bfloat16 or one of "
+            f"{ACCEPTED_DTYPE_WORDS}, but got None."
+        )
+    if isinstance(dtype, str):
+        word = dtype.strip().lower()
+        if word in HALF_WORDS:
+            return half_dtype()
+        if word in FULL_WORDS:
+            return jnp.dtype(jnp.float32)
+        dtype = DTYPE_ALIASES.get(word, word)
     try:
         dtype = jnp.dtype(dtype)
     except TypeError:
-        words = f", or one of {accepted_words}" if accepted_words else ""
         raise ValueError(
-            f"`{argname}` must be a floating dtype such as jnp.bfloat16{words}, but "
-            f"got {dtype!r}."
+            f"`{argname}` must be a floating dtype such as jnp.bfloat16, or one of "
+            f"{ACCEPTED_DTYPE_WORDS}, but got {original!r}."
         ) from None
     if not is_floating_dtype(dtype):
         raise ValueError(
@@ -74,6 +143,22 @@ def floating_dtype(
             f"float64, or a float8 type), but got {dtype.name}. Mixed precision only "
             "changes floating arrays; integer, boolean and complex arrays are never "
             "cast."
+        )
+    if dtype not in _SIGNED_FLOATING:
+        accepted = ", ".join(sorted(d.name for d in _SIGNED_FLOATING))
+        try:
+            unsigned = float(jnp.finfo(dtype).min) >= 0
+        except ValueError:
+            unsigned = False
+        reason = (
+            "it has no sign (an exponent-only scale format), so values and gradients "
+            "cannot be held in it"
+            if unsigned
+            else "JAX does not hold it"
+        )
+        raise ValueError(
+            f"`{argname}` is {dtype.name}: {reason}. Accepted floating dtypes: "
+            f"{accepted}."
         )
     return dtype
 
@@ -88,7 +173,9 @@ def cast_tree(tree: PyTree, dtype: Any, filter_spec: FilterSpec = True) -> PyTre
     **Arguments:**
 
     - `tree`: any pytree.
-    - `dtype`: a real floating dtype.
+    - `dtype`: a real floating dtype, in any spelling a policy accepts
+        (`jnp.bfloat16`, `"bf16"`, `"float16"`, `"half"` for the platform's half
+        dtype, ...).
     - `filter_spec`: what `eqx.partition` accepts: a bool, a callable `leaf -> bool`,
         or a pytree prefix of `tree` with those as leaves. `True` casts, `False`
         keeps the leaf's dtype.

@@ -3,27 +3,19 @@
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._cast import cast_tree, floating_dtype
+from ._cast import (
+    ACCEPTED_DTYPE_WORDS,
+    DTYPE_ALIASES,
+    cast_tree,
+    floating_dtype,
+    half_dtype,
+)
 
 
-_HALF_WORDS = ("half", "16")
-_FULL_WORDS = ("full", "single", "32")
-_DTYPE_ALIASES = {
-    "f16": "float16",
-    "float16": "float16",
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "f32": "float32",
-    "float32": "float32",
-    "f64": "float64",
-    "float64": "float64",
-    "double": "float64",
-}
 _KEY_ALIASES = {
     "p": "params",
     "params": "params",
@@ -33,46 +25,14 @@ _KEY_ALIASES = {
     "output": "output",
 }
 _KERAS_POLICIES = ("mixed_bfloat16", "mixed_float16")
-_ACCEPTED_DTYPE_WORDS = ", ".join(
-    repr(w) for w in (*_HALF_WORDS, *_FULL_WORDS, *_DTYPE_ALIASES)
-)
 _ACCEPTED_KEYS = ", ".join(repr(k) for k in _KEY_ALIASES)
 _GRAMMAR = (
     "A policy string is either one dtype word (all three dtypes the same), "
     f"one of {', '.join(repr(k) for k in _KERAS_POLICIES)}, or comma-separated "
     "`key=dtype` pairs such as 'params=float32,compute=bfloat16,output=float32' "
-    f"(keys: {_ACCEPTED_KEYS}; dtype words: {_ACCEPTED_DTYPE_WORDS}, or any "
+    f"(keys: {_ACCEPTED_KEYS}; dtype words: {ACCEPTED_DTYPE_WORDS}, or any "
     "floating dtype name JAX knows, such as 'float8_e4m3fn')."
 )
-
-
-def half_dtype() -> np.dtype:
-    """The half-precision dtype this platform computes fastest in.
-
-    bfloat16 on TPUs, CPUs and NVIDIA GPUs with native bfloat16 support (compute
-    capability 8.0 and up); float16 on older GPUs.
-    """
-    device = jax.devices()[0]
-    if device.platform == "gpu" or device.platform in ("cuda", "rocm"):
-        capability = getattr(device, "compute_capability", None)
-        if capability is not None:
-            major = int(str(capability).split(".")[0])
-            if major < 8:
-                return jnp.dtype(jnp.float16)
-    return jnp.dtype(jnp.bfloat16)
-
-
-def _to_floating_dtype(value: Any, argname: str) -> np.dtype:
-    """Normalise every spelling of a dtype (`jnp.bfloat16`, `np.float32`, 'bf16',
-    ...) to one `np.dtype`, so that equal policies compare and hash equal."""
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in _HALF_WORDS:
-            return half_dtype()
-        if word in _FULL_WORDS:
-            return jnp.dtype(jnp.float32)
-        value = _DTYPE_ALIASES.get(word, word)
-    return floating_dtype(value, argname, accepted_words=_ACCEPTED_DTYPE_WORDS)
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -104,13 +64,13 @@ class Policy:
 
     def __init__(self, param_dtype: Any, compute_dtype: Any, output_dtype: Any):
         object.__setattr__(
-            self, "param_dtype", _to_floating_dtype(param_dtype, "param_dtype")
+            self, "param_dtype", floating_dtype(param_dtype, "param_dtype")
         )
         object.__setattr__(
-            self, "compute_dtype", _to_floating_dtype(compute_dtype, "compute_dtype")
+            self, "compute_dtype", floating_dtype(compute_dtype, "compute_dtype")
         )
         object.__setattr__(
-            self, "output_dtype", _to_floating_dtype(output_dtype, "output_dtype")
+            self, "output_dtype", floating_dtype(output_dtype, "output_dtype")
         )
 
     def cast_to_param(self, tree: PyTree) -> PyTree:
@@ -222,17 +182,19 @@ def get_policy(policy: str | Policy) -> Policy:
 
 def _parse_word(word: str, policy: str, what: str) -> np.dtype:
     try:
-        return _to_floating_dtype(word, "policy")
-    except ValueError:
-        pass
+        return floating_dtype(word, "policy")
+    except ValueError as error:
+        reason = str(error)
     try:
-        dtype = jnp.dtype(_DTYPE_ALIASES.get(word, word))
+        dtype = jnp.dtype(DTYPE_ALIASES.get(word, word))
     except TypeError:
         if what == "policy":
             raise ValueError(f"Unknown policy {policy!r}. {_GRAMMAR}") from None
         raise ValueError(
             f"Unknown dtype {word!r} in policy {policy!r}. {_GRAMMAR}"
         ) from None
+    if jnp.issubdtype(dtype, jnp.floating):  # unsigned, or not held by JAX
+        raise ValueError(f"{word!r} in policy {policy!r}: {reason}") from None
     raise ValueError(
         f"{word!r} in policy {policy!r} is {dtype.name}, not a real floating dtype: "
         "mixed precision only changes floating arrays. Use float16, bfloat16, "

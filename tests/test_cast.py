@@ -124,3 +124,22 @@ def test_widest_floating_dtype():
         [jnp.ones(1, jnp.bfloat16), jnp.ones(1, jnp.float16)]
     ) == (jnp.float32)
     assert widest_floating_dtype([jnp.arange(2), 1.0]) is None
+
+
+def test_cast_tree_reads_dtype_words_as_policies_do():
+    x = jnp.ones(2)
+    for word, dtype in (
+        ("f16", jnp.float16),
+        ("bf16", jnp.bfloat16),
+        ("f32", jnp.float32),
+        ("float16", jnp.float16),
+    ):
+        assert eqx_amp.cast_tree(x, word).dtype == dtype
+    # "half" is the platform's half dtype, as in a policy.
+    assert eqx_amp.cast_tree(x, "half").dtype == eqx_amp.default_policy().compute_dtype
+    with pytest.raises(
+        ValueError, match=r"`dtype` must be a floating dtype.*but got None"
+    ):
+        eqx_amp.cast_tree(x, None)
+    with pytest.raises(ValueError, match=r"`dtype` is float8_e8m0fnu: it has no sign"):
+        eqx_amp.cast_tree(x, jnp.float8_e8m0fnu)

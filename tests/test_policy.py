@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import eqx_amp
-from eqx_amp._policy import half_dtype
+from eqx_amp._cast import half_dtype
 
 
 F32, BF16, F16 = jnp.dtype("float32"), jnp.dtype("bfloat16"), jnp.dtype("float16")
@@ -137,3 +137,38 @@ def test_get_policy_wrong_type():
 def test_policy_rejects_non_floating_compute_dtype(bad):
     with pytest.raises(ValueError, match=r"`compute_dtype`"):
         eqx_amp.Policy(jnp.float32, bad, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (
+            lambda: eqx_amp.get_policy("c=float128"),
+            r"'float128' in policy 'c=float128'.*JAX does not hold it",
+        ),
+        (
+            lambda: eqx_amp.get_policy("c=float8_e8m0fnu"),
+            r"float8_e8m0fnu: it has no sign",
+        ),
+        (
+            lambda: eqx_amp.Policy(jnp.float32, jnp.float8_e8m0fnu, jnp.float32),
+            r"`compute_dtype` is float8_e8m0fnu: it has no sign",
+        ),
+        (
+            lambda: eqx_amp.Policy(None, None, None),
+            r"`param_dtype` must be a floating dtype.*but got None",
+        ),
+        (
+            lambda: eqx_amp.Policy(jnp.float32, None, jnp.float32),
+            r"`compute_dtype` must be a floating dtype.*but got None",
+        ),
+    ],
+)
+def test_only_signed_floating_dtypes_jax_holds(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_policies_accept_every_signed_float8():
+    policy = eqx_amp.get_policy("p=f32,c=float8_e4m3fn,o=f32")
+    assert policy.compute_dtype == jnp.dtype(jnp.float8_e4m3fn)
