@@ -151,46 +151,107 @@ def _cast_module(
 
 
 def _amp_view(
-    fn: Any, policy: Policy, filter_spec: FilterSpec | None, seen: set
+    fn: Any, policy: Policy, filter_spec: FilterSpec | None, memo: dict[int, Any]
 ) -> Any:
     """`fn` with the floating leaves it holds cast to the compute dtype: the leaves of
     a module, of the object a method is bound to, of the arguments of a
-    `functools.partial`, and of the values a closure captures."""
-    if id(fn) in seen:
-        return fn
-    seen = seen | {id(fn)}
+    `functools.partial`, and of the values a function closes over or takes as
+    defaults. Lists, dicts and other mutable objects are passed as they are (never
+    copied), so a function's changes to them are seen. `memo` maps each object seen
+    to its view, so that a recursive function calls its own view."""
+    key = id(fn)
+    if key in memo:
+        return memo[key]
+    view = lambda x: _amp_view(x, policy, filter_spec, memo)  # noqa: E731
     if isinstance(fn, eqx.Module) or _is_pytree_node(fn) or is_floating_array(fn):
-        return _cast_module(fn, policy, filter_spec)
+        memo[key] = _cast_module(fn, policy, filter_spec)
+    elif isinstance(fn, types.MethodType):
+        memo[key] = types.MethodType(fn.__func__, view(fn.__self__))
+    elif isinstance(fn, ft.partial):
+        memo[key] = ft.partial(
+            view(fn.func),
+            *map(view, fn.args),
+            **{k: view(v) for k, v in fn.keywords.items()},
+        )
+    elif isinstance(fn, types.FunctionType):
+        _function_view(fn, view, memo)
+    elif isinstance(fn, tuple):
+        items = [view(item) for item in fn]
+        memo[key] = type(fn)(*items) if hasattr(fn, "_fields") else tuple(items)
+    else:
+        memo[key] = fn
+    return memo[key]
+
+
+def _function_view(fn: types.FunctionType, view: Callable, memo: dict) -> None:
+    if not (fn.__closure__ or fn.__defaults__ or fn.__kwdefaults__):
+        memo[id(fn)] = fn
+        return
+    # The new function is in `memo` before its cells are filled: a cell holding the
+    # function itself (a recursive local function) then holds the new one.
+    cells = tuple(types.CellType() for _ in fn.__closure__ or ())
+    new_fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, None, cells)
+    memo[id(fn)] = new_fn
+    for cell, new_cell in zip(fn.__closure__ or (), cells):
+        try:
+            new_cell.cell_contents = view(cell.cell_contents)
+        except ValueError:  # A cell not yet filled: it stays empty.
+            pass
+    if fn.__defaults__:
+        new_fn.__defaults__ = tuple(map(view, fn.__defaults__))
+    if fn.__kwdefaults__:
+        new_fn.__kwdefaults__ = {k: view(v) for k, v in fn.__kwdefaults__.items()}
+    new_fn.__dict__.update(fn.__dict__)
+    new_fn.__qualname__ = fn.__qualname__
+
+
+_MUTABLE_HOLDS_WEIGHTS = (
+    "`filter_amp` was given a function that closes over {what} `{name}` holding "
+    "modules or floating arrays. Lists and dicts are passed to the function as they "
+    "are, never copied (so that its changes to them are seen), and so their weights "
+    "would not be cast. Hold them in a tuple or an `eqx.Module`, or pass them as an "
+    "argument."
+)
+
+
+def _check_mutable_captures(fn: Any, seen: set | None = None) -> None:
+    """Fails where a function closes over a list or dict of weights."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return
+    seen.add(id(fn))
     if isinstance(fn, types.MethodType):
-        bound_to = _amp_view(fn.__self__, policy, filter_spec, seen)
-        return types.MethodType(fn.__func__, bound_to)
+        return _check_mutable_captures(fn.__func__, seen)
     if isinstance(fn, ft.partial):
-        return ft.partial(
-            _amp_view(fn.func, policy, filter_spec, seen),
-            *(_amp_view(a, policy, filter_spec, seen) for a in fn.args),
-            **{
-                k: _amp_view(v, policy, filter_spec, seen)
-                for k, v in fn.keywords.items()
-            },
-        )
-    if isinstance(fn, types.FunctionType) and fn.__closure__:
-        cells = []
-        for cell in fn.__closure__:
-            try:
-                value = cell.cell_contents
-            except ValueError:  # A cell not yet filled (a recursive local function).
-                cells.append(cell)
-                continue
-            cells.append(types.CellType(_amp_view(value, policy, filter_spec, seen)))
-        new_fn = types.FunctionType(
-            fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells)
-        )
-        new_fn.__kwdefaults__ = fn.__kwdefaults__
-        new_fn.__dict__.update(fn.__dict__)
-        return new_fn
-    if isinstance(fn, (list, tuple, dict)):
-        return _cast_module(fn, policy, filter_spec)
-    return fn
+        for item in (fn.func, *fn.args, *fn.keywords.values()):
+            _check_mutable_captures(item, seen)
+        return
+    if not isinstance(fn, types.FunctionType):
+        return
+    names = fn.__code__.co_freevars
+    captured = []
+    for name, cell in zip(names, fn.__closure__ or ()):
+        try:
+            captured.append((name, cell.cell_contents))
+        except ValueError:
+            continue
+    defaults = fn.__defaults__ or ()
+    captured += [(f"default argument {i}", d) for i, d in enumerate(defaults)]
+    captured += list((fn.__kwdefaults__ or {}).items())
+    for name, value in captured:
+        if isinstance(value, (list, dict, set)) and _holds_weights(value):
+            what = "a list" if isinstance(value, list) else f"a {type(value).__name__}"
+            raise TypeError(_MUTABLE_HOLDS_WEIGHTS.format(what=what, name=name))
+        if isinstance(value, (types.FunctionType, ft.partial, types.MethodType)):
+            _check_mutable_captures(value, seen)
+
+
+def _holds_weights(container: Any) -> bool:
+    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
+    return any(
+        is_module(leaf) or is_floating_array(leaf)
+        for leaf in jtu.tree_leaves(container, is_leaf=is_module)
+    )
 
 
 def _is_pytree_node(obj: Any) -> bool:
@@ -208,7 +269,7 @@ class _AmpWrapper(FunctionWrapper):
 
     def __call__(self, *args, **kwargs):
         policy = self.policy
-        fn = _amp_view(self.fn, policy, self.filter_spec, set())
+        fn = _amp_view(self.fn, policy, self.filter_spec, {})
         args, kwargs = _cast_module((args, kwargs), policy, None)
         out = fn(*args, **kwargs)
         return cast_all_but_state(out, lambda _: policy.output_dtype)
@@ -260,6 +321,7 @@ def filter_amp(
     check_callable(fn, "filter_amp")
     policy = resolve_policy(policy)
     _check_filter_spec(fn, filter_spec)
+    _check_mutable_captures(fn)
     _warn_if_weights_overflow(fn, policy, filter_spec)
     return eqx.module_update_wrapper(_AmpWrapper(fn, policy, filter_spec))
 

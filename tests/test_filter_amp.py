@@ -376,3 +376,42 @@ def test_weights_too_large_for_the_compute_dtype_are_named_once(getkey):
         eqx_amp.filter_amp(model, policy="mixed_bfloat16")
         spec = eqx_amp.keep(model, lambda m: m is model)
         eqx_amp.filter_amp(model, policy="mixed_float16", filter_spec=spec)
+
+
+def test_closure_semantics(getkey):
+    """What `filter_amp(fn)` casts in a plain function: the modules and arrays it
+    closes over or takes as defaults, in a view made per call; lists and dicts are
+    the function's own objects, never copies; a recursive function calls its view."""
+    model = eqx.nn.Linear(3, 3, key=getkey())
+    x = jnp.ones(3)
+
+    log = []
+
+    def logs(x):
+        y = model(x)
+        log.append(y.dtype)
+        return y
+
+    eqx_amp.filter_amp(logs)(x)
+    assert log == [jnp.dtype(jnp.bfloat16)]  # the append is seen, and the model ran in bfloat16
+
+    def with_default(x, m=model):
+        return m(x)
+
+    report = eqx_amp.precision_report(eqx_amp.filter_amp(with_default), x)
+    assert report.low_precision_share == 1.0
+    assert with_default.__defaults__[0] is model  # the original is untouched
+
+    def recursive(x, n):
+        if n == 0:
+            return model(x)
+        return recursive(x, n - 1)
+
+    report = eqx_amp.precision_report(eqx_amp.filter_amp(recursive), x, 3)
+    assert report.low_precision_share == 1.0
+
+    layers = [model]
+    with pytest.raises(TypeError, match=r"closes over a list `layers` holding modules"):
+        eqx_amp.filter_amp(lambda x: layers[0](x))
+    kept = (model,)
+    assert eqx_amp.filter_amp(lambda x: kept[0](x))(x).dtype == F32
