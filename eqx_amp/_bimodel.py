@@ -160,10 +160,12 @@ class BiModel(eqx.Module):
     """
 
     master: PyTree
-    # The compute-dtype arrays, in the structure of `master`, with `None` wherever
-    # the compute copy is the master's own leaf (kept by the spec, not floating, or
-    # already in the compute dtype): those leaves are stored once.
-    _compute_only: PyTree
+    # The compute-dtype arrays, one entry per leaf of `master`, `None` wherever the
+    # compute copy is the master's own leaf (kept by the spec, not floating, or
+    # already in the compute dtype): those leaves are stored once. Flat, not in the
+    # structure of `master`, so that the model's modules appear once in a `BiModel`
+    # (`eqx.nn.inference_mode(bimodel)` finds each `Dropout` once).
+    _compute_only: tuple[Any, ...]
     policy: Policy = eqx.field(static=True)
     # The resolved filter spec, one bool per leaf of `master`. Part of the pytree
     # structure, so two `BiModel`s with different specs never mix under `jit`.
@@ -191,16 +193,21 @@ class BiModel(eqx.Module):
                 return leaf.astype(compute)
             return None
 
+        selected = jtu.tree_leaves(mask)
         self.master = master
-        self._compute_only = jtu.tree_map(compute_only, mask, master)
+        self._compute_only = tuple(map(compute_only, selected, jtu.tree_leaves(master)))
         self.policy = policy
-        self._selected = tuple(bool(s) for s in jtu.tree_leaves(mask))
+        self._selected = tuple(bool(s) for s in selected)
 
     @property
     def compute(self) -> PyTree:
         """The whole model with the spec-selected floating leaves in the compute
         dtype: the structure of `master`, sharing its kept leaves."""
-        return eqx.combine(self._compute_only, self.master)
+        leaves, treedef = jtu.tree_flatten(self.master)
+        return jtu.tree_unflatten(
+            treedef,
+            [m if c is None else c for m, c in zip(leaves, self._compute_only)],
+        )
 
     @property
     def filter_spec(self) -> PyTree[bool]:
@@ -244,18 +251,14 @@ class BiModel(eqx.Module):
         if jtu.tree_structure(compute) != jtu.tree_structure(self.master):
             raise ValueError(_COMPUTE_MISMATCH)
 
-        def master_leaf(compute_only, c, m):
-            return m if compute_only is not None else c
-
-        def compute_leaf(compute_only, c):
-            return None if compute_only is None else c
-
-        master = jtu.tree_map(
-            master_leaf, self._compute_only, compute, self.master, is_leaf=_is_none
+        master_leaves, treedef = jtu.tree_flatten(self.master)
+        compute_leaves = jtu.tree_leaves(compute)
+        owns = [own is not None for own in self._compute_only]
+        master = jtu.tree_unflatten(
+            treedef,
+            [m if own else c for m, c, own in zip(master_leaves, compute_leaves, owns)],
         )
-        compute_only = jtu.tree_map(
-            compute_leaf, self._compute_only, compute, is_leaf=_is_none
-        )
+        compute_only = tuple(c if own else None for c, own in zip(compute_leaves, owns))
         return self._replace(master, compute_only)
 
     def apply_updates(self, updates: PyTree) -> "BiModel":
@@ -307,11 +310,9 @@ class BiModel(eqx.Module):
         )
         _warn_if_compute_overflows(master, self.policy, self.filter_spec)
 
-        def refresh(compute_only, leaf):
-            return None if compute_only is None else leaf.astype(compute_only.dtype)
-
-        compute_only = jtu.tree_map(
-            refresh, self._compute_only, master, is_leaf=_is_none
+        compute_only = tuple(
+            None if own is None else leaf.astype(own.dtype)
+            for own, leaf in zip(self._compute_only, jtu.tree_leaves(master))
         )
         return self._replace(master, compute_only)
 

@@ -102,7 +102,8 @@ def keep(
     **Arguments:**
 
     - `model`: the model the spec is for.
-    - `*types_or_predicates`: module types (every instance is kept), or predicates
+    - `*types_or_predicates`: module types (every instance is kept), submodules of
+        `model` (`model.layers[-1]`: that one is kept), or predicates
         `module -> bool` called on each `eqx.Module` in the model (the ones they
         select are kept).
 
@@ -123,12 +124,16 @@ def keep(
     for item in types_or_predicates:
         if isinstance(item, type):
             types.append(item)
+        elif isinstance(item, eqx.Module):
+            # A submodule instance (callable itself, but not a predicate).
+            predicates.append(lambda node, item=item: node is item)
         elif callable(item):
             predicates.append(item)
         else:
             raise TypeError(
-                "`keep` takes module types or predicates `module -> bool` after the "
-                f"model, but got {item!r} of type {type(item).__name__}."
+                "`keep` takes module types or predicates `module -> bool` (or "
+                f"submodules of the model) after the model, but got {item!r} of type "
+                f"{type(item).__name__}."
             )
     types = tuple(types)
 

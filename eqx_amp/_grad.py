@@ -17,6 +17,7 @@ from ._cast import at_least_float32
 from ._loss_scale import (
     AbstractLossScale,
     all_finite,
+    check_axis_name,
     unbound_axis_name_error,
 )
 from ._wrapper import FunctionWrapper
@@ -273,13 +274,7 @@ def _check_options(has_aux: Any, redo_on_nan: Any, axis_name: Any) -> int:
             f"gradients with a lower loss scale when they are not finite), but got "
             f"{redo_on_nan}."
         )
-    try:
-        hash(axis_name)
-    except TypeError:
-        raise TypeError(
-            "`axis_name` must be the (hashable) name of a mapped axis, or None, but "
-            f"got {axis_name!r}."
-        ) from None
+    check_axis_name(axis_name)
     return redo_on_nan
 
 

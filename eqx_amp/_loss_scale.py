@@ -439,6 +439,16 @@ class DynamicLossScale(AbstractLossScale):
 #
 
 
+def check_axis_name(axis_name: Any) -> None:
+    try:
+        hash(axis_name)
+    except TypeError:
+        raise TypeError(
+            "`axis_name` must be the (hashable) name of a mapped axis, such as "
+            f"'data', or None, but got {axis_name!r}."
+        ) from None
+
+
 @contextlib.contextmanager
 def unbound_axis_name_error(axis_name: Hashable):
     """Names the argument when a collective is given an axis that is not mapped."""
@@ -488,6 +498,7 @@ def all_finite(tree: PyTree, axis_name: Hashable | None = None) -> Bool[Array, "
         finite = jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
     else:
         finite = jnp.asarray(True)
+    check_axis_name(axis_name)
     if axis_name is not None:
         with unbound_axis_name_error(axis_name):
             finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) == 1

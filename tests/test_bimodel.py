@@ -595,3 +595,29 @@ def test_a_compute_dtype_too_small_for_a_weight_warns(getkey):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         eqx_amp.BiModel(model, policy="mixed_bfloat16")  # bfloat16 holds it
+
+
+def test_inference_mode_turns_dropout_off(getkey):
+    class WithDropout(eqx.Module):
+        linear: eqx.nn.Linear
+        dropout: eqx.nn.Dropout
+
+        def __call__(self, x, key=None):
+            return self.dropout(self.linear(x), key=key)
+
+    model = WithDropout(eqx.nn.Linear(3, 3, key=getkey()), eqx.nn.Dropout(0.5))
+    bimodel = eqx.nn.inference_mode(eqx_amp.BiModel(model))
+    assert bimodel.master.dropout.inference and bimodel.compute.dropout.inference
+    x = jnp.ones(3)
+    assert jnp.array_equal(bimodel(x), bimodel(x))  # no key needed: dropout is off
+    assert eqx.nn.inference_mode(bimodel, False).compute.dropout.inference is False
+
+
+def test_value_and_grad_refuses_a_non_callable_up_front(getkey):
+    bimodel = eqx_amp.BiModel(eqx.nn.Linear(2, 2, key=getkey()))
+    with pytest.raises(
+        TypeError, match=r"`BiModel.value_and_grad` takes a callable.*got int"
+    ):
+        bimodel.value_and_grad(3)
+    with pytest.raises(TypeError, match=r"`BiModel.grad` takes a callable.*got str"):
+        bimodel.grad("loss")

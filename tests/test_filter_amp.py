@@ -393,7 +393,9 @@ def test_closure_semantics(getkey):
         return y
 
     eqx_amp.filter_amp(logs)(x)
-    assert log == [jnp.dtype(jnp.bfloat16)]  # the append is seen, and the model ran in bfloat16
+    assert log == [
+        jnp.dtype(jnp.bfloat16)
+    ]  # the append is seen, and the model ran in bfloat16
 
     def with_default(x, m=model):
         return m(x)

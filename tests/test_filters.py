@@ -69,3 +69,14 @@ def test_keep_bad_inputs(getkey):
         eqx_amp.keep(block, 3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"got 'LayerNorm'"):
         eqx_amp.keep(block, "LayerNorm")  # type: ignore[arg-type]
+
+
+def test_keep_a_submodule_instance(getkey):
+    block = _Block(getkey())
+    spec = eqx_amp.keep(block, block.head)
+    assert spec.head is False
+    assert spec.linear.weight is True and spec.linear.bias is True
+    assert (
+        eqx_amp.filter_amp(block.head, filter_spec=False)(jnp.ones(4)).dtype
+        == jnp.float32
+    )

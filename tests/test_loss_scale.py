@@ -571,3 +571,8 @@ def test_skipping_keeps_the_compiled_step_small(getkey):
     )
     assert counts["select_tree"] < 1.5 * counts["no skip"]
     assert counts["select_tree"] < counts["per-leaf select"]
+
+
+def test_all_finite_names_an_unhashable_axis_name():
+    with pytest.raises(TypeError, match=r"`axis_name` must be the \(hashable\) name"):
+        eqx_amp.all_finite(jnp.ones(2), axis_name=["data"])
