@@ -15,7 +15,6 @@ compute-dtype arrays and `None` everywhere else; leaves the filter spec keeps
 the whole model from the two.
 """
 
-import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -25,12 +24,15 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._cast import (
+    KEEP_OR_RESCALE,
     at_least_float32,
     cast_all_but_state,
     describe_leaves,
     drop_state,
     is_floating_array,
+    is_inexact_array,
     overflowing_leaves,
+    warn_if_cast_overflows,
 )
 from ._filter_amp import filter_amp
 from ._filters import FilterSpec, default_filter_spec, selection_mask
@@ -351,14 +353,8 @@ class BiModel(eqx.Module):
         ```
         """
         check_callable(fun, "BiModel.value_and_grad")
-        return self._on_compute(
-            filter_value_and_grad(
-                _OnCompute(fun, self),
-                has_aux=has_aux,
-                redo_on_nan=redo_on_nan,
-                axis_name=axis_name,
-            )
-        )
+        options = dict(has_aux=has_aux, redo_on_nan=redo_on_nan, axis_name=axis_name)
+        return self._on_compute(filter_value_and_grad, fun, options)
 
     def grad(
         self,
@@ -373,18 +369,14 @@ class BiModel(eqx.Module):
         `(grads, new_loss_scale, grads_finite)` (`((grads, aux), ...)` with
         `has_aux=True`)."""
         check_callable(fun, "BiModel.grad")
-        return self._on_compute(
-            filter_grad(
-                _OnCompute(fun, self),
-                has_aux=has_aux,
-                redo_on_nan=redo_on_nan,
-                axis_name=axis_name,
-            )
-        )
+        options = dict(has_aux=has_aux, redo_on_nan=redo_on_nan, axis_name=axis_name)
+        return self._on_compute(filter_grad, fun, options)
 
-    def _on_compute(self, transform: Callable) -> Callable:
+    def _on_compute(
+        self, transform: Callable, fun: Callable, options: dict
+    ) -> Callable:
         # The compute copy is bound as the differentiated first argument.
-        return eqx.Partial(transform, self.compute)
+        return eqx.Partial(transform(_OnCompute(fun, self), **options), self.compute)
 
     def _replace(self, master: PyTree, compute_only: PyTree) -> "BiModel":
         # Not through `__init__`: the parts are already in their dtypes, and
@@ -402,12 +394,6 @@ _MASTER_OVERFLOWS = (
     "cannot hold the value{s} of {leaves}: storing {it} would give inf and lose the "
     'weight{s}{when}. Keep the master in float32 (`policy="p=f32,c={dtype}"` or '
     '`"mixed_float16"`), or rescale the model.'
-)
-_COMPUTE_OVERFLOWS = (
-    "The compute copy is {dtype}, which cannot hold the value{s} of {leaves}: {it} "
-    "will be inf in every forward pass, every step's gradients will be non-finite, "
-    "and a dynamic loss scale will sit at its floor. Keep {them} in float32 with a "
-    "filter spec (`eqx_amp.keep(model, ...)`), use bfloat16, or rescale the model."
 )
 
 
@@ -437,24 +423,25 @@ def _warn_if_compute_overflows(
     master: PyTree, policy: Policy, mask: PyTree[bool]
 ) -> None:
     """Warns where a (concrete) selected weight is too large for the compute dtype."""
-    paths = overflowing_leaves(master, policy.compute_dtype, mask)
-    if paths:
-        warnings.warn(
-            _COMPUTE_OVERFLOWS.format(
-                dtype=policy.compute_dtype.name, **_plural(paths)
-            ),
-            stacklevel=3,
-        )
+    warn_if_cast_overflows(
+        master,
+        policy.compute_dtype,
+        mask,
+        cast_by="The compute copy is",
+        fix=KEEP_OR_RESCALE,
+        stacklevel=4,
+    )
 
 
 def _check_update(update: Any, leaf: Any) -> None:
     if update is None:
         return
-    if not is_floating_array(leaf):
+    # Complex parameters are differentiated and updated like real ones.
+    if not is_inexact_array(leaf):
         raise ValueError(
             _UPDATE_FOR_NON_FLOAT.format(_describe(update), _describe(leaf))
         ) from None
-    if not is_floating_array(update) or update.shape != leaf.shape:
+    if not is_inexact_array(update) or update.shape != leaf.shape:
         raise ValueError(
             _BAD_UPDATE.format(_describe(update), leaf.dtype, tuple(leaf.shape))
         ) from None

@@ -1,6 +1,7 @@
 """Casting pytrees: only real floating arrays are ever touched."""
 
 import functools as ft
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -267,6 +268,38 @@ def overflowing_leaves(
 def describe_leaves(paths: list[str], limit: int = 5) -> str:
     shown = ", ".join(paths[:limit])
     return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+KEEP_OR_RESCALE = (
+    "Keep those weights in float32 with a filter spec (`eqx_amp.keep(model, ...)`), "
+    "use bfloat16 (float32's range), or rescale the model."
+)
+
+
+def warn_if_cast_overflows(
+    tree: PyTree,
+    dtype: Any,
+    mask: PyTree[bool] | None,
+    *,
+    cast_by: str,
+    fix: str,
+    stacklevel: int = 3,
+) -> None:
+    """Warns, naming the leaves, where concrete weights of `tree` would become inf
+    when cast to `dtype`. `cast_by` opens the message ("`filter_amp` casts the
+    weights to"), `fix` ends it."""
+    paths = overflowing_leaves(tree, dtype, mask)
+    if not paths:
+        return
+    many = len(paths) > 1
+    warnings.warn(
+        f"{cast_by} {jnp.dtype(dtype).name}, which cannot hold the value"
+        f"{'s' if many else ''} of {describe_leaves(paths)}: "
+        f"{'they' if many else 'it'} will be inf in every forward pass, so every "
+        "step's gradients will be non-finite and a dynamic loss scale will sit at its "
+        f"floor. {fix}",
+        stacklevel=stacklevel,
+    )
 
 
 def drop_state(tree: PyTree) -> PyTree:

@@ -3,7 +3,6 @@
 import dataclasses
 import functools as ft
 import types
-import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -14,13 +13,13 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._cast import (
+    KEEP_OR_RESCALE,
     at_least_float32,
     cast_all_but_state,
     cast_leaf,
-    describe_leaves,
     drop_state,
     is_floating_array,
-    overflowing_leaves,
+    warn_if_cast_overflows,
     widest_floating_dtype,
 )
 from ._filters import (
@@ -326,14 +325,6 @@ def filter_amp(
     return eqx.module_update_wrapper(_AmpWrapper(fn, policy, filter_spec))
 
 
-_WEIGHTS_OVERFLOW = (
-    "`filter_amp` casts the weights to {dtype}, which cannot hold the value{s} of "
-    "{leaves}: {it} will be inf in every call. Keep {them} in the parameter dtype "
-    "with a filter spec (`eqx_amp.keep(model, ...)`), use bfloat16, or rescale the "
-    "model."
-)
-
-
 def _warn_if_weights_overflow(
     fn: Any, policy: Policy, filter_spec: FilterSpec | None
 ) -> None:
@@ -341,19 +332,14 @@ def _warn_if_weights_overflow(
     if not (isinstance(fn, eqx.Module) or _is_pytree_node(fn)):
         return
     spec = default_filter_spec(fn) if filter_spec is None else filter_spec
-    paths = overflowing_leaves(fn, policy.compute_dtype, selection_mask(fn, spec))
-    if paths:
-        many = len(paths) > 1
-        warnings.warn(
-            _WEIGHTS_OVERFLOW.format(
-                dtype=policy.compute_dtype.name,
-                leaves=describe_leaves(paths),
-                s="s" if many else "",
-                it="they" if many else "it",
-                them="those leaves" if many else "that leaf",
-            ),
-            stacklevel=3,
-        )
+    warn_if_cast_overflows(
+        fn,
+        policy.compute_dtype,
+        selection_mask(fn, spec),
+        cast_by="`filter_amp` casts the weights to",
+        fix=KEEP_OR_RESCALE,
+        stacklevel=4,
+    )
 
 
 def _check_filter_spec(fn: Any, filter_spec: FilterSpec | None) -> None:

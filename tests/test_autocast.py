@@ -1,6 +1,8 @@
 """`autocast` on real models: values and gradients against float32, norm layers,
 state, composition with Equinox and `filter_amp`."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -408,3 +410,15 @@ def test_composes_with_filter_amp(getkey):
     jaxpr = traced(eqx_amp.autocast(eqx_amp.filter_amp(head_softmax)), model, x[0])
     assert ops_in(jaxpr, "exp") == [[F32]]  # the rule still applies inside
     assert_matmuls_in(jaxpr, BF16, at_least=3)
+
+
+def test_weights_too_large_for_float16_are_named(getkey):
+    model = eqx.nn.Linear(3, 3, key=getkey())
+    model = eqx.tree_at(lambda m: m.weight, model, model.weight.at[0, 1].set(1e5))
+    with pytest.warns(
+        UserWarning, match=r"`autocast` runs matmuls in float16.*value of \.weight"
+    ):
+        eqx_amp.autocast(model, policy="mixed_float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eqx_amp.autocast(model, policy="mixed_bfloat16")

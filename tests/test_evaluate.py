@@ -461,3 +461,19 @@ def test_custom_jvp_with_symbolic_zeros_runs_at_its_traced_dtypes(getkey):
     ((call, _),) = eqns_named(traced(amp, x), "custom_jvp_call")
     assert in_dtypes(call) == [F32]
     assert rel_error(jax.grad(amp)(x), jax.grad(fn)(x)) < 3e-2
+
+
+def test_bitcasts_see_the_dtypes_they_were_traced_with(getkey):
+    w = jr.normal(getkey(), (4, 4))
+
+    def fn(x):
+        bits = lax.bitcast_convert_type(x @ w, jnp.int32)  # float32 bits
+        return bits, x @ w
+
+    x = jr.normal(getkey(), (4,))
+    bits, y = eqx_amp.autocast(fn)(x)
+    assert bits.dtype == jnp.int32 and bits.shape == (4,)
+    # The bits are those of the float32 value the op received.
+    np.testing.assert_array_equal(
+        bits, lax.bitcast_convert_type(y.astype(jnp.float32), jnp.int32)
+    )

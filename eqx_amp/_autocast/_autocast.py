@@ -6,6 +6,7 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 
+from .._cast import warn_if_cast_overflows
 from .._jaxpr._evaluate import evaluate_function
 from .._policy import Policy, resolve_policy
 from .._wrapper import FunctionWrapper, check_callable
@@ -88,5 +89,16 @@ def autocast(
     if fn is _sentinel:
         return ft.partial(autocast, policy=policy, rules=rules)
     check_callable(fn, "autocast")
-    wrapper = _AutocastWrapper(fn, resolve_policy(policy), RuleTable(rules))
+    policy = resolve_policy(policy)
+    if isinstance(fn, eqx.Module):
+        # Matmuls read the weights in the compute dtype.
+        warn_if_cast_overflows(
+            fn,
+            policy.compute_dtype,
+            None,
+            cast_by="`autocast` runs matmuls in",
+            fix="Keep those ops in float32 with a rule (`rules={scope: eqx_amp.FULL}`), "
+            "use bfloat16 (float32's range), or rescale the model.",
+        )
+    wrapper = _AutocastWrapper(fn, policy, RuleTable(rules))
     return eqx.module_update_wrapper(wrapper)

@@ -18,9 +18,9 @@ under the same hook:
 Values flow through a program in whatever dtype their op produced, except at the
 boundaries where JAX checks types, which keep the dtypes of the original program:
 loop carries of `scan` and `while`, outputs of `cond` branches, the inputs and
-outputs of `custom_jvp` / `custom_vjp` functions, operands of callbacks and of
-higher-order primitives the evaluator does not know (which run unchanged, with a
-one-time warning).
+outputs of `custom_jvp` / `custom_vjp` functions, operands of callbacks, bitcasts
+and higher-order primitives the evaluator does not know (which run unchanged, with
+a one-time warning).
 
 A hook that runs eagerly (`Hook.eager`) gets control flow run in Python on concrete
 values instead: each `scan` and `while` iteration and the `cond` branch taken, with
@@ -53,6 +53,10 @@ from . import _compat as compat
 MATMUL_PRIMITIVES = compat.present(
     lax.dot_general_p, lax.conv_general_dilated_p, compat.ragged_dot_general_p
 )
+# Ops whose meaning depends on their operands' exact dtypes, run at the dtypes they
+# were traced with: callbacks (Python code traced at those dtypes) and bitcasts
+# (which reinterpret bits: a bfloat16 operand would give other bits and shape).
+TRACED_DTYPE_PRIMITIVES = compat.CALLBACK_PRIMITIVES | {lax.bitcast_convert_type_p}
 
 
 class Origin(enum.IntEnum):
@@ -267,7 +271,7 @@ def _evaluate_equation(eqn, invals, in_origins, frame, hook, params):
     if is_higher_order(eqn):
         _warn_unknown_higher_order(str(eqn.primitive))
         return _opaque(eqn, invals, in_origins)
-    if eqn.primitive in compat.CALLBACK_PRIMITIVES:
+    if eqn.primitive in TRACED_DTYPE_PRIMITIVES:
         return _opaque(eqn, invals, in_origins)
     if params is not None and "update_jaxpr" in params:
         floating = [v for v in invals if is_floating_array(v)]
