@@ -477,3 +477,28 @@ def test_bitcasts_see_the_dtypes_they_were_traced_with(getkey):
     np.testing.assert_array_equal(
         bits, lax.bitcast_convert_type(y.astype(jnp.float32), jnp.int32)
     )
+
+
+def test_custom_linear_solve_bodies_follow_the_rules(getkey):
+    a = jr.normal(getkey(), (4, 4)) / 4 + 2 * jnp.eye(4)
+    b = jr.normal(getkey(), (4,))
+
+    def fn(a, b):
+        def solve(matvec, rhs):  # a fixed-point iteration, enough for this a
+            return lax.fori_loop(0, 30, lambda i, x: x + (rhs - matvec(x)) / 2, rhs / 2)
+
+        return lax.custom_linear_solve(lambda x: a @ x, b, solve, transpose_solve=solve)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # known: no "does not know" warning
+        amp = eqx_amp.autocast(fn)
+        jaxpr = traced(amp, a, b)
+    ((solve_eqn, _),) = eqns_named(jaxpr, "custom_linear_solve")
+    assert in_dtypes(solve_eqn) == in_dtypes(
+        eqns_named(traced(fn, a, b), "custom_linear_solve")[0][0]
+    )
+    assert [BF16, BF16] in ops_in(jaxpr, "dot_general")  # inside the matvec
+    np.testing.assert_allclose(amp(a, b), fn(a, b), rtol=5e-2, atol=5e-2)
+    grad = jax.grad(lambda b: jnp.sum(amp(a, b)))(b)
+    expected = jax.grad(lambda b: jnp.sum(fn(a, b)))(b)
+    np.testing.assert_allclose(grad, expected, rtol=5e-2, atol=5e-2)

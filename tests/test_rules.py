@@ -317,3 +317,17 @@ def test_constants_saturate_instead_of_overflowing(getkey):
         jnp.full((3,), 1e5)
     )
     assert not np.all(np.isfinite(huge))
+
+
+def test_linear_algebra_runs_in_float32(getkey):
+    """LAPACK and cuSOLVER have no half-precision decompositions: a bfloat16 matmul
+    output reaching `jnp.linalg.solve` or `cholesky` is cast up for them."""
+    a = jr.normal(getkey(), (4, 4)) + 4 * jnp.eye(4)
+    b = jr.normal(getkey(), (4,))
+    solve = lambda a, b: jnp.linalg.solve(a @ a.T, b)  # noqa: E731
+    chol = lambda a: jnp.linalg.cholesky(a @ a.T)  # noqa: E731
+    for name in ("lu", "triangular_solve"):
+        for eqn, _ in eqns_named(traced(eqx_amp.autocast(solve), a, b), name):
+            assert set(in_dtypes(eqn)) <= {F32, jnp.dtype(jnp.int32)}, name
+    assert rel_error(eqx_amp.autocast(solve)(a, b), solve(a, b)) < 2e-2
+    assert rel_error(eqx_amp.autocast(chol)(a), chol(a)) < 2e-2

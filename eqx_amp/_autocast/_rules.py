@@ -3,6 +3,8 @@
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.lax.linalg
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -170,6 +172,17 @@ _FULL_PRIMITIVES = (
     lax.erf_inv_p, lax.reduce_sum_p, lax.reduce_prod_p, lax.cumsum_p, lax.cumprod_p,
     lax.cumlogsumexp_p,
 )  # fmt: skip
+# Decompositions and solves: LAPACK and cuSOLVER have no half-precision kernels, and
+# their results are ill-conditioned in half precision anyway (PyTorch's autocast
+# lists them as float32 ops too).
+_LINALG_PRIMITIVES = tuple(
+    getattr(jax.lax.linalg, f"{name}_p", None)
+    for name in (
+        "cholesky", "cholesky_update", "eig", "eigh", "hessenberg",
+        "householder_product", "lu", "ormqr", "qr", "schur", "svd",
+        "symmetric_product", "triangular_solve", "tridiagonal", "tridiagonal_solve",
+    )
+)  # fmt: skip
 _PROMOTE_PRIMITIVES = (
     lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.rem_p, lax.max_p, lax.min_p,
     lax.atan2_p, lax.nextafter_p, lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p,
@@ -184,6 +197,7 @@ def _default_rules() -> dict[Any, Any]:
     for primitives, rule in (
         (MATMUL_PRIMITIVES, LOW),
         (_FULL_PRIMITIVES, FULL),
+        (compat.present(*_LINALG_PRIMITIVES), FULL),
         (compat.present(*_PROMOTE_PRIMITIVES, compat.add_jaxvals_p), PROMOTE),
     ):
         rules.update((primitive, rule) for primitive in primitives)

@@ -20,6 +20,7 @@ from jax._src import debugging as _debugging
 from jax._src import shard_map as _shard_map  # `shard_map_p` is not in jax.extend
 from jax._src import source_info_util  # no public API re-enters an eqn's source info
 from jax._src.lax import lax as _lax_internal  # `ragged_dot_general_p` is not public
+from jax._src.lax.control_flow import solves as _solves  # `linear_solve_p`
 
 
 # Source lines of traced ops name the user's code, not eqx_amp's casts and wrappers
@@ -53,6 +54,9 @@ custom_vjp_call_p = _primitives.custom_vjp_call_p
 shard_map_p = _shard_map.shard_map_p
 add_jaxvals_p = getattr(_primitives, "add_jaxvals_p", None)
 sharding_constraint_p = _primitives.sharding_constraint_p
+# `lax.custom_linear_solve` (inside `jnp.linalg.solve`): its jaxprs sit in a
+# namedtuple param.
+linear_solve_p = getattr(_solves, "linear_solve_p", None)
 # `jax.lax.ragged_dot` binds `ragged_dot_general_p`; no `jax.lax.ragged_dot_p` exists.
 ragged_dot_general_p = getattr(_lax_internal, "ragged_dot_general_p", None)
 
@@ -110,6 +114,22 @@ def scan_counts(params: dict) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+def replace_jaxprs(params: dict, replace: Callable[[Any], Any]) -> dict:
+    """`params` with every jaxpr among them (in tuples and namedtuples too) replaced
+    by `replace(jaxpr)`."""
+
+    def visit(value):
+        if is_jaxpr(value):
+            return replace(value)
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*map(visit, value))
+        if isinstance(value, (tuple, list)):
+            return type(value)(map(visit, value))
+        return value
+
+    return {k: visit(v) for k, v in params.items()}
 
 
 def shard_map_params(params: dict) -> dict:

@@ -551,6 +551,31 @@ def _custom_vjp(eqn, invals, in_origins, frame, hook):
     return outs, [combined(in_origins)] * len(outs)
 
 
+def _with_bodies_under_hook(eqn, invals, in_origins, frame, hook):
+    """A higher-order primitive whose params the evaluator does not rebuild one by
+    one: each sub-jaxpr is re-traced to evaluate under the hook with the same input
+    and output types as before (casting at its edges), so every other param stays
+    valid, and the primitive is bound with its operands at their traced dtypes."""
+    if hook.eager:
+        return _opaque(eqn, invals, in_origins)
+    body_frame = frame.call(eqn)
+
+    def under_hook(closed):
+        jaxpr, _ = compat.open_jaxpr(closed)
+        in_types = [v.aval for v in jaxpr.invars]
+        out_dtypes = traced_dtypes(jaxpr.outvars)
+
+        def body(*args):
+            return cast_to(evaluate(closed, args, hook, body_frame)[0], out_dtypes)
+
+        new = jax.make_jaxpr(body)(*in_types)
+        return new if compat.is_jaxpr(closed) and closed is not jaxpr else new.jaxpr
+
+    params = compat.replace_jaxprs(eqn.params, under_hook)
+    outs = compat.bind(eqn, cast_to(invals, traced_dtypes(eqn.invars)), params)
+    return outs, [combined(in_origins)] * len(outs)
+
+
 _HIGHER_ORDER: dict[Any, Callable] = {
     compat.jit_p: _jit,
     compat.closed_call_p: _inline("call_jaxpr"),
@@ -564,5 +589,7 @@ _HIGHER_ORDER: dict[Any, Callable] = {
 }
 if compat.call_p is not None:
     _HIGHER_ORDER[compat.call_p] = _inline("call_jaxpr")
+if compat.linear_solve_p is not None:
+    _HIGHER_ORDER[compat.linear_solve_p] = _with_bodies_under_hook
 if compat.eval_jaxpr_p is not None:
     _HIGHER_ORDER[compat.eval_jaxpr_p] = _inline("jaxpr")
