@@ -22,6 +22,9 @@ from ._loss_scale import NoOpLossScale as NoOpLossScale
 from ._loss_scale import StaticLossScale as StaticLossScale
 from ._loss_scale import all_finite as all_finite
 from ._loss_scale import select_tree as select_tree
+from ._loss_scaling import LossScalingState as LossScalingState
+from ._loss_scaling import loss_scaling as loss_scaling
+from ._loss_scaling import scaled_value_and_grad as scaled_value_and_grad
 from ._policy import Policy as Policy
 from ._policy import default_policy as default_policy
 from ._policy import get_policy as get_policy

@@ -4,7 +4,7 @@ import functools as ft
 import inspect
 import operator
 from collections.abc import Callable, Hashable
-from typing import Any, Literal, overload
+from typing import Any, Literal, NamedTuple, overload
 
 import equinox as eqx
 import jax
@@ -138,13 +138,13 @@ def _redo_until_finite(attempt: Callable, loss_scale: AbstractLossScale, redo: i
     scale_dynamic, scale_static = eqx.partition(loss_scale, eqx.is_array)
 
     def cond(carry):
-        tries, _, _, grads_finite, scale_moved = carry
+        tries, _, _, _, grads_finite, scale_moved = carry
         # A retry at a scale `adjust` did not change (one at its floor) would fail
         # the same way.
         return (tries <= redo) & jnp.logical_not(grads_finite) & scale_moved
 
     def body(carry):
-        tries, scale_dynamic, _, _, _ = carry
+        tries, scale_dynamic, _, _, _, _ = carry
         scale = eqx.combine(scale_dynamic, scale_static)
         out = attempt(scale)
         grads_finite = out[-1]
@@ -152,18 +152,29 @@ def _redo_until_finite(attempt: Callable, loss_scale: AbstractLossScale, redo: i
         new_scale_dynamic, _ = eqx.partition(new_scale, eqx.is_array)
         out_dynamic, _ = eqx.partition(out, eqx.is_array)
         scale_moved = new_scale.loss_scale != scale.loss_scale
-        return tries + 1, new_scale_dynamic, out_dynamic, grads_finite, scale_moved
+        return (
+            tries + 1,
+            new_scale_dynamic,
+            scale_dynamic,
+            out_dynamic,
+            grads_finite,
+            scale_moved,
+        )
 
     init = (
         jnp.zeros((), jnp.int32),
+        scale_dynamic,
         scale_dynamic,
         jtu.tree_map(_placeholder, out_dynamic_struct),
         jnp.asarray(False),
         jnp.asarray(True),
     )
-    _, scale_dynamic, out_dynamic, _, _ = jax.lax.while_loop(cond, body, init)
+    _, new_dynamic, used_dynamic, out_dynamic, _, _ = jax.lax.while_loop(
+        cond, body, init
+    )
     out = eqx.combine(out_dynamic, out_static)
-    return out, eqx.combine(scale_dynamic, scale_static)
+    used = eqx.combine(used_dynamic, scale_static)
+    return out, eqx.combine(new_dynamic, scale_static), used
 
 
 #
@@ -182,6 +193,13 @@ class _ScaledValueAndGradWrapper(FunctionWrapper):
         return _signature_with_loss_scale(self.fn)
 
     def __call__(self, /, *args, loss_scale: AbstractLossScale = _sentinel, **kwargs):
+        step = self.step(args, kwargs, loss_scale)
+        return (step.value, step.grads), step.new_loss_scale, step.grads_finite
+
+    def step(
+        self, args: tuple, kwargs: dict, loss_scale: AbstractLossScale
+    ) -> "ScaledStep":
+        """One differentiation, with everything it learnt about the scale."""
         if loss_scale is _sentinel:
             raise TypeError(_MISSING_LOSS_SCALE)
         if not isinstance(loss_scale, AbstractLossScale):
@@ -207,13 +225,25 @@ class _ScaledValueAndGradWrapper(FunctionWrapper):
         if self._redo_on_nan == 0 or loss_scale.is_fixed:
             value, aux, grads, grads_finite = attempt(loss_scale)
             new_loss_scale = loss_scale.adjust(grads_finite)
+            used_loss_scale = loss_scale
         else:
-            (value, aux, grads, grads_finite), new_loss_scale = _redo_until_finite(
-                attempt, loss_scale, self._redo_on_nan
+            (value, aux, grads, grads_finite), new_loss_scale, used_loss_scale = (
+                _redo_until_finite(attempt, loss_scale, self._redo_on_nan)
             )
         if self._has_aux:
             value = (value, aux)
-        return (value, grads), new_loss_scale, grads_finite
+        return ScaledStep(value, grads, grads_finite, used_loss_scale, new_loss_scale)
+
+
+class ScaledStep(NamedTuple):
+    """What one scaled differentiation gives: the value, unscaled gradients, whether
+    they are finite, the scale that produced them, and that scale adjusted."""
+
+    value: Any
+    grads: PyTree
+    grads_finite: Bool[Array, ""]
+    used_loss_scale: AbstractLossScale
+    new_loss_scale: AbstractLossScale
 
 
 class _ScaledGradWrapper(FunctionWrapper):

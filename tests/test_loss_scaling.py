@@ -1,0 +1,189 @@
+"""`loss_scaling` and `scaled_value_and_grad`: loss scaling kept in the optimizer."""
+
+import difflib
+import pathlib
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+
+import eqx_amp
+
+from .helpers import float_dtypes
+
+
+F32 = jnp.dtype(jnp.float32)
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _readme_block(marker: str) -> str:
+    text = README.read_text()
+    match = re.search(rf"<!-- {marker} -->\n```python\n(.*?)```", text, re.DOTALL)
+    assert match, f"README has no block marked {marker}"
+    return match.group(1)
+
+
+def test_readme_float16_loop_is_three_lines_from_float32_and_trains():
+    fp32, fp16 = _readme_block("fp32-loop"), _readme_block("fp16-loop")
+    diff = difflib.unified_diff(fp32.splitlines(), fp16.splitlines(), lineterm="", n=0)
+    changed = [
+        line for line in diff if line.startswith("+") and not line.startswith("+++")
+    ]
+    assert len(changed) <= 3, changed
+    results = {}
+    for name, source in (("fp32", fp32), ("fp16", fp16)):
+        namespace: dict = {}
+        # As users run it: optax.adam's `decay**count` needs standard promotion.
+        with jax.numpy_dtype_promotion("standard"):
+            exec(compile(source, f"README:{name}", "exec"), namespace)
+        results[name] = namespace
+    loss16, loss32 = float(results["fp16"]["loss"]), float(results["fp32"]["loss"])
+    assert np.isfinite(loss16) and abs(loss16 - loss32) < 0.05 + 0.2 * loss32
+    opt_state = results["fp16"]["opt_state"]
+    assert isinstance(opt_state, eqx_amp.LossScalingState)
+    assert float_dtypes(eqx.filter(results["fp16"]["model"], eqx.is_array)) == {F32}
+
+
+def _problem(getkey):
+    model = eqx.nn.MLP(4, "scalar", 16, 1, key=getkey())
+    x = jr.normal(getkey(), (32, 4))
+    y = jnp.sum(x, axis=1)
+    return model, x, y
+
+
+def _mse(model, x, y, poison=1.0):
+    pred = jax.vmap(eqx_amp.filter_amp(model, policy="mixed_float16"))(x)
+    return jnp.mean((pred - y) ** 2) * poison
+
+
+def test_non_finite_steps_are_skipped_and_counted_like_apply_if_finite(getkey):
+    """NaN gradients at chosen steps: the model and the wrapped optimizer's state
+    (its count, so its schedule) do not move, the scale halves, counters count."""
+    model, x, y = _problem(getkey)
+    schedule = optax.linear_schedule(1e-2, 0.0, 10)
+    optim = eqx_amp.loss_scaling(
+        optax.adam(schedule), eqx_amp.DynamicLossScale(2.0**10)
+    )
+    opt_state = optim.init(eqx.filter(model, eqx.is_array))
+
+    @eqx.filter_jit
+    def step(model, opt_state, poison):
+        loss, grads = eqx_amp.scaled_value_and_grad(_mse, opt_state)(
+            model, x, y, poison
+        )
+        with jax.numpy_dtype_promotion("standard"):  # optax.adam's decay**count
+            updates, opt_state = optim.update(grads, opt_state, model)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    poisoned = {2, 3, 6}
+    finite_steps = 0
+    for i in range(8):
+        before = model
+        model, opt_state, _ = step(model, opt_state, jnp.nan if i in poisoned else 1.0)
+        if i in poisoned:
+            assert eqx.tree_equal(model, before)
+        else:
+            finite_steps += 1
+        assert int(opt_state.inner_state[0].count) == finite_steps  # schedule step
+        assert bool(opt_state.last_finite) == (i not in poisoned)
+    assert int(opt_state.total_notfinite) == 3
+    assert int(opt_state.notfinite_count) == 0
+    assert float(opt_state.loss_scale.loss_scale) == 2.0**10 / 2**3
+
+
+def test_matches_the_explicit_form(getkey):
+    model, x, y = _problem(getkey)
+    scale = eqx_amp.DynamicLossScale(2.0**12)
+    opt_state = eqx_amp.loss_scaling(optax.sgd(0.1), scale).init(model)
+    loss, grads = eqx_amp.scaled_value_and_grad(_mse, opt_state)(model, x, y)
+    (ref_loss, ref_grads), _, _ = eqx_amp.filter_value_and_grad(_mse)(
+        model, x, y, loss_scale=scale
+    )
+    assert loss == ref_loss and eqx.tree_equal(grads, ref_grads)
+    assert float_dtypes(grads) == {F32}
+
+
+def test_redo_on_nan_returns_the_state_with_the_scale_that_worked(getkey):
+    model, x, y = _problem(getkey)
+    too_large = eqx_amp.DynamicLossScale(2.0**60)  # float16 gradients overflow
+    optim = eqx_amp.loss_scaling(optax.adam(1e-3), too_large)
+    opt_state = optim.init(eqx.filter(model, eqx.is_array))
+    grad_fn = eqx_amp.scaled_value_and_grad(_mse, opt_state, redo_on_nan=60)
+    (loss, grads), opt_state = eqx.filter_jit(grad_fn)(model, x, y)
+    assert eqx_amp.all_finite(grads)
+    worked = float(opt_state.loss_scale.loss_scale)
+    assert worked < 2.0**60
+    with jax.numpy_dtype_promotion("standard"):  # optax.adam's decay**count
+        _, opt_state = optim.update(grads, opt_state, model)
+    assert float(opt_state.loss_scale.loss_scale) == worked  # finite: kept
+    # Compiled once: one while loop, the model's matmuls not repeated per try.
+    text = eqx.filter_jit(lambda m: grad_fn(m, x, y)).lower(model).as_text()
+    assert text.count("stablehlo.while") == 1
+
+
+def test_composes_with_multisteps_and_chain_and_checkpoints(getkey, tmp_path):
+    model, x, y = _problem(getkey)
+    inner = optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 2
+    )
+    optim = eqx_amp.loss_scaling(inner)
+    params = eqx.filter(model, eqx.is_array)
+    opt_state = optim.init(params)
+
+    @eqx.filter_jit
+    def step(model, opt_state):
+        loss, grads = eqx_amp.scaled_value_and_grad(_mse, opt_state)(model, x, y)
+        with jax.numpy_dtype_promotion("standard"):  # optax.adam's decay**count
+            params = eqx.filter(model, eqx.is_array)
+            updates, opt_state = optim.update(grads, opt_state, params)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    first_loss = None
+    for _ in range(6):
+        model, opt_state, loss = step(model, opt_state)
+        first_loss = loss if first_loss is None else first_loss
+    assert float(loss) < float(first_loss)
+    path = tmp_path / "state.eqx"
+    eqx.tree_serialise_leaves(path, (model, opt_state))
+    like = (model, optim.init(eqx.filter(model, eqx.is_array)))
+    restored_model, restored_state = eqx.tree_deserialise_leaves(path, like)
+    assert eqx.tree_equal(restored_state, opt_state)
+    # Resuming gives the same next step, bit for bit.
+    a = step(model, opt_state)
+    b = step(restored_model, restored_state)
+    assert eqx.tree_equal(a, b)
+
+
+def test_bad_inputs(getkey):
+    model, x, y = _problem(getkey)
+    with pytest.raises(
+        TypeError, match=r"`loss_scaling` wraps an optax optimizer.*got int"
+    ):
+        eqx_amp.loss_scaling(3)
+    with pytest.raises(
+        TypeError, match=r"`loss_scale` must be an `eqx_amp.AbstractLossScale`"
+    ):
+        eqx_amp.loss_scaling(optax.adam(1e-3), 2.0**15)
+    with pytest.raises(TypeError, match=r"`axis_name` must be the \(hashable\) name"):
+        eqx_amp.loss_scaling(optax.adam(1e-3), axis_name=["data"])
+    plain_state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
+    with pytest.raises(ValueError, match=r"holds no `eqx_amp.LossScalingState`"):
+        eqx_amp.scaled_value_and_grad(_mse, plain_state)
+    optim = eqx_amp.loss_scaling(optax.adam(1e-3))
+    params = eqx.filter(model, eqx.is_array)
+    two = (optim.init(params), optim.init(params))
+    with pytest.raises(ValueError, match=r"holds 2 `eqx_amp.LossScalingState`s"):
+        eqx_amp.scaled_value_and_grad(_mse, two)
+    with pytest.raises(TypeError, match=r"`scaled_value_and_grad` takes a callable"):
+        eqx_amp.scaled_value_and_grad(3, optim.init(params))
+    with pytest.raises(ValueError, match=r"`redo_on_nan` must be 0 or more"):
+        eqx_amp.scaled_value_and_grad(_mse, optim.init(params), redo_on_nan=-1)
+    with pytest.raises(
+        TypeError, match=r"must be the `LossScalingState` its `init` made"
+    ):
+        optim.update(params, plain_state, params)
