@@ -28,6 +28,7 @@ from ._loss_scaling import scaled_value_and_grad as scaled_value_and_grad
 from ._policy import Policy as Policy
 from ._policy import default_policy as default_policy
 from ._policy import get_policy as get_policy
+from ._policy import using_policy as using_policy
 from ._report import NonfiniteOp as NonfiniteOp
 from ._report import PrecisionReport as PrecisionReport
 from ._report import find_nonfinite as find_nonfinite

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools as ft
+import operator
 import types
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -29,7 +30,7 @@ from ._filters import (
     default_filter_spec,
     selection_mask,
 )
-from ._policy import Policy, resolve_policy
+from ._policy import Policy, get_policy, resolve_policy
 from ._wrapper import FunctionWrapper, check_callable
 
 
@@ -139,7 +140,38 @@ def _cast_module(
     tree: PyTree, policy: Policy, filter_spec: FilterSpec | None
 ) -> PyTree:
     spec = default_filter_spec(tree) if filter_spec is None else filter_spec
-    mask = selection_mask(tree, spec)
+    return _cast_selected(tree, selection_mask(tree, spec), policy)
+
+
+_ARG_SPEC_MISMATCH = (
+    "`arg_spec` does not fit the arguments `({args}, {kwargs})` of this call: it "
+    "must be a bool, a callable `leaf -> bool`, or a pytree prefix of `(args, "
+    "kwargs)`, such as `((False, True), {{}})` to keep the first positional argument "
+    "in its dtype. ({error})"
+)
+
+
+def _cast_arguments(
+    args: tuple, kwargs: dict, policy: Policy, arg_spec: FilterSpec | None
+) -> tuple[tuple, dict]:
+    """The call's floating arguments cast to the compute dtype, those `arg_spec`
+    selects (all by default); `eqx.nn.State` never."""
+    tree = (args, kwargs)
+    default = selection_mask(tree, default_filter_spec(tree))
+    if arg_spec is None:
+        return _cast_selected(tree, default, policy)
+    try:
+        chosen = selection_mask(tree, arg_spec)
+    except ValueError as error:
+        raise ValueError(
+            _ARG_SPEC_MISMATCH.format(
+                args=f"{len(args)} positional", kwargs=sorted(kwargs), error=error
+            )
+        ) from None
+    return _cast_selected(tree, jtu.tree_map(operator.and_, chosen, default), policy)
+
+
+def _cast_selected(tree: PyTree, mask: PyTree[bool], policy: Policy) -> PyTree:
     compute = policy.compute_dtype
     cast = jtu.tree_map(
         lambda selected, leaf: cast_leaf(leaf, compute) if selected else leaf,
@@ -263,13 +295,15 @@ def _is_pytree_node(obj: Any) -> bool:
 
 class _AmpWrapper(FunctionWrapper):
     fn: Callable
-    policy: Policy = eqx.field(static=True)
+    # `None`: the default policy where the call is traced (`eqx_amp.using_policy`).
+    policy: Policy | None = eqx.field(static=True)
     filter_spec: FilterSpec | None
+    arg_spec: FilterSpec | None = None
 
     def __call__(self, *args, **kwargs):
-        policy = self.policy
+        policy = resolve_policy(self.policy)
         fn = _amp_view(self.fn, policy, self.filter_spec, {})
-        args, kwargs = _cast_module((args, kwargs), policy, None)
+        args, kwargs = _cast_arguments(args, kwargs, policy, self.arg_spec)
         out = fn(*args, **kwargs)
         return cast_all_but_state(out, lambda _: policy.output_dtype)
 
@@ -279,6 +313,7 @@ def filter_amp(
     *,
     policy: Policy | str | None = None,
     filter_spec: FilterSpec | None = None,
+    arg_spec: FilterSpec | None = None,
 ) -> _F:
     """Runs `fn` in mixed precision, casting at its call boundary.
 
@@ -294,10 +329,15 @@ def filter_amp(
     - `fn`: an `eqx.Module`, a method bound to one, a `functools.partial`, a closure
         over modules, or any callable. Arrays `fn` holds in a module, a partial or a
         closure are cast; module-level globals are not.
-    - `policy`: a `Policy` or a policy string; `None` means `default_policy()`.
+    - `policy`: a `Policy` or a policy string; `None` means `default_policy()` where
+        the call is traced (set it once with `eqx_amp.using_policy`).
     - `filter_spec`: which floating leaves of `fn` are cast, as `eqx.partition`
         accepts; `None` means `default_filter_spec(fn)`. A pytree spec needs `fn` to
-        be a module. Array arguments always follow `default_filter_spec`.
+        be a module.
+    - `arg_spec`: which floating arguments of a call are cast: a bool, a callable
+        `leaf -> bool`, or a pytree prefix of `(args, kwargs)` (`((False, True),
+        {})` keeps the first positional argument, a diffusion model's time, in its
+        dtype). `None` casts every floating argument. `eqx.nn.State` never is.
 
     **Returns:**
 
@@ -316,13 +356,17 @@ def filter_amp(
     ```
     """
     if fn is _sentinel:
-        return ft.partial(filter_amp, policy=policy, filter_spec=filter_spec)
+        return ft.partial(
+            filter_amp, policy=policy, filter_spec=filter_spec, arg_spec=arg_spec
+        )
     check_callable(fn, "filter_amp")
-    policy = resolve_policy(policy)
+    if policy is not None:
+        policy = get_policy(policy)
     _check_filter_spec(fn, filter_spec)
     _check_mutable_captures(fn)
-    _warn_if_weights_overflow(fn, policy, filter_spec)
-    return eqx.module_update_wrapper(_AmpWrapper(fn, policy, filter_spec))
+    _warn_if_weights_overflow(fn, resolve_policy(policy), filter_spec)
+    wrapper = _AmpWrapper(fn, policy, filter_spec, arg_spec)
+    return eqx.module_update_wrapper(wrapper)
 
 
 def _warn_if_weights_overflow(

@@ -1,6 +1,9 @@
 """Mixed-precision policies: which dtype parameters, computation and outputs use."""
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import jax.numpy as jnp
@@ -202,10 +205,17 @@ def _parse_word(word: str, policy: str, what: str) -> np.dtype:
     )
 
 
+# The policies `using_policy` has set, innermost last; per thread and task.
+_SCOPED_POLICIES: contextvars.ContextVar[tuple[Policy, ...]] = contextvars.ContextVar(
+    "eqx_amp_scoped_policies", default=()
+)
+
+
 def default_policy() -> Policy:
-    """The policy used wherever `policy=None` is accepted: parameters and outputs
-    in float32, computation in the platform's half dtype (bfloat16 on TPUs, CPUs and
-    GPUs of compute capability 8.0 and up, float16 on older GPUs).
+    """The policy used wherever `policy=None` is accepted: the innermost
+    `eqx_amp.using_policy(...)` in force, or else parameters and outputs in float32
+    and computation in the platform's half dtype (bfloat16 on TPUs, CPUs and GPUs of
+    compute capability 8.0 and up, float16 on older GPUs).
 
     **Example:**
 
@@ -214,7 +224,37 @@ def default_policy() -> Policy:
     # Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32)
     ```
     """
+    scoped = _SCOPED_POLICIES.get()
+    if scoped:
+        return scoped[-1]
     return Policy(jnp.float32, half_dtype(), jnp.float32)
+
+
+@contextlib.contextmanager
+def using_policy(policy: "str | Policy") -> Iterator[Policy]:
+    """Sets the default policy inside a `with` block, for every `filter_amp`,
+    `autocast` and `BiModel` given no `policy=`. It is read where their calls are
+    traced (`filter_amp` and `autocast`) or where they are built (`BiModel`), so
+    wrap the code that traces the step; an explicit `policy=` still wins. Blocks
+    nest, and the setting is per thread.
+
+    **Arguments:**
+
+    - `policy`: a `Policy` or a policy string.
+
+    **Example:**
+
+    ```python
+    with eqx_amp.using_policy("mixed_float16"):
+        loss, grads = step(model, x, y)  # every filter_amp(...) inside: float16
+    ```
+    """
+    resolved = get_policy(policy)
+    token = _SCOPED_POLICIES.set(_SCOPED_POLICIES.get() + (resolved,))
+    try:
+        yield resolved
+    finally:
+        _SCOPED_POLICIES.reset(token)
 
 
 def resolve_policy(policy: "str | Policy | None") -> Policy:

@@ -417,3 +417,33 @@ def test_closure_semantics(getkey):
         eqx_amp.filter_amp(lambda x: layers[0](x))
     kept = (model,)
     assert eqx_amp.filter_amp(lambda x: kept[0](x))(x).dtype == F32
+
+
+class _Denoiser(eqx.Module):
+    """A score model's shape: the time goes through a sinusoidal embedding."""
+
+    linear: eqx.nn.Linear
+
+    def __call__(self, t, y):
+        freqs = jnp.arange(1, 5, dtype=t.dtype)
+        embedding = jnp.sin(t * freqs).astype(y.dtype)
+        return self.linear(jnp.concatenate([y, embedding])), t
+
+
+def test_arg_spec_keeps_a_diffusion_time_in_float32(getkey):
+    model = _Denoiser(eqx.nn.Linear(6, 2, key=getkey()))
+    ts = jnp.linspace(8.0, 10.0, 1000)
+    y = jnp.ones(2)
+    cast_all = eqx_amp.filter_amp(model)
+    keep_time = eqx_amp.filter_amp(model, arg_spec=((False, True), {}))
+    seen_all = jax.vmap(lambda t: cast_all(t, y)[1])(ts)
+    seen_kept = jax.vmap(lambda t: keep_time(t, y)[1])(ts)
+    assert len(np.unique(np.asarray(seen_all))) < 100  # bfloat16 merges most times
+    np.testing.assert_array_equal(seen_kept, ts)  # every time arrives as given
+    report = eqx_amp.precision_report(keep_time, ts[0], y)
+    assert set(report.ops["dot_general"]) == {("bfloat16", "bfloat16")}
+    state_kept = eqx_amp.filter_amp(lambda s, x: s, arg_spec=True)
+    state = eqx.nn.State(eqx.nn.BatchNorm(2, "batch", mode="batch"))
+    assert eqx.tree_equal(state_kept(state, y), state)  # State is never cast
+    with pytest.raises(ValueError, match=r"`arg_spec` does not fit the arguments"):
+        eqx_amp.filter_amp(model, arg_spec=((False, True, True), {}))(ts[0], y)

@@ -1,3 +1,4 @@
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,3 +173,28 @@ def test_only_signed_floating_dtypes_jax_holds(make, match):
 def test_policies_accept_every_signed_float8():
     policy = eqx_amp.get_policy("p=f32,c=float8_e4m3fn,o=f32")
     assert policy.compute_dtype == jnp.dtype(jnp.float8_e4m3fn)
+
+
+def test_using_policy_sets_the_default_where_calls_are_traced(getkey):
+    model = eqx.nn.Linear(2, 2, key=getkey())
+    amp = eqx_amp.filter_amp(model)  # built outside: read when traced
+    auto = eqx_amp.autocast(model)
+
+    def matmul_dtypes(fn):
+        return set(eqx_amp.precision_report(fn, jnp.ones(2)).ops["dot_general"])
+
+    with eqx_amp.using_policy("mixed_float16") as policy:
+        assert policy == eqx_amp.get_policy("mixed_float16")
+        assert eqx_amp.default_policy() == policy
+        assert matmul_dtypes(amp) == {("float16", "float16")}
+        assert matmul_dtypes(auto) == {("float16", "float16")}
+        explicit = eqx_amp.filter_amp(model, policy="mixed_bfloat16")
+        assert matmul_dtypes(explicit) == {("bfloat16", "bfloat16")}  # explicit wins
+        with eqx_amp.using_policy("float32"):
+            assert matmul_dtypes(amp) == {("float32", "float32")}
+        assert eqx_amp.BiModel(model).policy == policy
+    assert eqx_amp.default_policy().compute_dtype == BF16
+    assert matmul_dtypes(amp) == {("bfloat16", "bfloat16")}
+    with pytest.raises(ValueError, match=r"Unknown policy 'f17'"):
+        with eqx_amp.using_policy("f17"):
+            pass

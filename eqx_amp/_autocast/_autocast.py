@@ -8,7 +8,7 @@ import equinox as eqx
 
 from .._cast import warn_if_cast_overflows
 from .._jaxpr._evaluate import evaluate_function
-from .._policy import Policy, resolve_policy
+from .._policy import Policy, get_policy, resolve_policy
 from .._wrapper import FunctionWrapper, check_callable
 from ._hook import AutocastHook
 from ._rules import RuleTable
@@ -24,11 +24,12 @@ def _call(fn, args, kwargs):
 
 class _AutocastWrapper(FunctionWrapper):
     fn: Callable
-    policy: Policy = eqx.field(static=True)
+    # `None`: the default policy where the call is traced (`eqx_amp.using_policy`).
+    policy: Policy | None = eqx.field(static=True)
     rules: RuleTable = eqx.field(static=True)
 
     def __call__(self, *args, **kwargs):
-        hook = AutocastHook(self.rules, self.policy.compute_dtype)
+        hook = AutocastHook(self.rules, resolve_policy(self.policy).compute_dtype)
         # The arrays of Equinox modules (`fn` itself, or arguments) are parameters:
         # they follow the activations they meet.
         return evaluate_function(
@@ -64,7 +65,8 @@ def autocast(
 
     - `fn`: any callable: a function, an `eqx.Module`, a bound method.
     - `policy`: a `Policy` or policy string whose compute dtype the `LOW` ops use;
-        `None` means `default_policy()`.
+        `None` means `default_policy()` where the call is traced (set it once with
+        `eqx_amp.using_policy`).
     - `rules`: a mapping from JAX primitives (`jax.lax.exp_p`) or `jax.named_scope`
         names to `LOW`, `FULL`, `PROMOTE`, `KEEP` or a callable
         `rule(compute_dtype, original_dtypes, *invals, **params) -> (invals, params)`
@@ -89,12 +91,13 @@ def autocast(
     if fn is _sentinel:
         return ft.partial(autocast, policy=policy, rules=rules)
     check_callable(fn, "autocast")
-    policy = resolve_policy(policy)
+    if policy is not None:
+        policy = get_policy(policy)
     if isinstance(fn, eqx.Module):
         # Matmuls read the weights in the compute dtype.
         warn_if_cast_overflows(
             fn,
-            policy.compute_dtype,
+            resolve_policy(policy).compute_dtype,
             None,
             cast_by="`autocast` runs matmuls in",
             fix="Keep those ops in float32 with a rule (`rules={scope: eqx_amp.FULL}`), "
