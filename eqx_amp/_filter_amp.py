@@ -4,6 +4,7 @@ import dataclasses
 import functools as ft
 import operator
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -20,6 +21,7 @@ from ._cast import (
     cast_leaf,
     drop_state,
     is_floating_array,
+    is_half_dtype,
     warn_if_cast_overflows,
     widest_floating_dtype,
 )
@@ -31,6 +33,7 @@ from ._filters import (
     selection_mask,
 )
 from ._policy import Policy, get_policy, resolve_policy
+from ._report import precision_report
 from ._wrapper import FunctionWrapper, check_callable
 
 
@@ -304,8 +307,54 @@ class _AmpWrapper(FunctionWrapper):
         policy = resolve_policy(self.policy)
         fn = _amp_view(self.fn, policy, self.filter_spec, {})
         args, kwargs = _cast_arguments(args, kwargs, policy, self.arg_spec)
+        _check_coverage_once(self.fn, fn, args, kwargs, policy)
         out = fn(*args, **kwargs)
         return cast_all_but_state(out, lambda _: policy.output_dtype)
+
+
+# The functions whose matmul coverage has been checked: the check traces the function
+# once more, so it runs once per function (its class or code) and policy.
+_COVERAGE_CHECKED: set = set()
+
+_LOW_COVERAGE = (
+    "`filter_amp` runs only {share:.0%} of the matmul/convolution FLOPs of {name} in "
+    "{dtype}: the rest read a wider operand. The largest: {flops:,} FLOPs at "
+    "{source}, whose wide operand is {reason}. Cast that array to the compute dtype "
+    "where it is made (`jnp.zeros(n, x.dtype)`), keep fewer leaves in the filter "
+    "spec, or use `eqx_amp.autocast`, which casts every matmul's operands. "
+    "`eqx_amp.precision_report` lists every such matmul."
+)
+
+
+def _check_coverage_once(
+    original: Any, view: Callable, args: tuple, kwargs: dict, policy: Policy
+) -> None:
+    """Warns, once per function, when less than half of its matmul FLOPs run in the
+    compute dtype (an array made in float32 inside the model, float32 state): the
+    user asked for mixed precision and would otherwise not know."""
+    if not is_half_dtype(policy.compute_dtype):
+        return
+    code = getattr(original, "__code__", None)
+    key = (type(original) if code is None else code, policy)
+    if key in _COVERAGE_CHECKED:
+        return
+    _COVERAGE_CHECKED.add(key)
+    report = precision_report(view, *args, **kwargs)
+    if not report.matmul_flops or report.low_precision_share >= 0.5:
+        return
+    worst = report.wide_matmuls[0]
+    name = getattr(original, "__qualname__", type(original).__qualname__)
+    warnings.warn(
+        _LOW_COVERAGE.format(
+            share=report.low_precision_share,
+            name=name,
+            dtype=policy.compute_dtype.name,
+            flops=worst.flops,
+            source=worst.source,
+            reason=worst.reason,
+        ),
+        stacklevel=3,
+    )
 
 
 def filter_amp(

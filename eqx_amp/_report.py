@@ -13,12 +13,13 @@ import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 
-from ._cast import is_floating_dtype, is_half_dtype
+from ._cast import is_floating_array, is_floating_dtype, is_half_dtype
 from ._jaxpr import _compat as compat
 from ._jaxpr._evaluate import (
     MATMUL_PRIMITIVES,
     Frame,
     Hook,
+    Origin,
     evaluate,
     is_higher_order,
 )
@@ -36,10 +37,20 @@ _DATA_MOVEMENT = frozenset(
 )  # fmt: skip
 
 
+def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    return fn(*args, **kwargs)
+
+
 def _trace(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """The jaxpr of `fn(*args, **kwargs)`, with the arrays `fn` holds (a module's
+    weights) as inputs rather than constants."""
     if not callable(fn):
         raise TypeError(f"Expected a callable to inspect, but got {type(fn).__name__}.")
-    return eqx.filter_make_jaxpr(fn)(*args, **kwargs)[0]
+    return eqx.filter_make_jaxpr(_call)(fn, args, kwargs)[0]
+
+
+def _is_input(leaf: Any) -> bool:
+    return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
 
 
 def _matmul_flops(eqn: Any) -> int:
@@ -74,6 +85,19 @@ class OpSite:
 
 
 @dataclasses.dataclass(frozen=True)
+class WideMatmul:
+    """A matmul or convolution with an operand of 32 bits or more: where it is, its
+    FLOPs, and why that operand is wide (which op made it, and from what)."""
+
+    primitive: str
+    dtypes: tuple[str, ...]
+    flops: int
+    scope: str
+    source: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class PrecisionReport:
     """What a function runs in which dtype. Print it for a table.
 
@@ -85,8 +109,12 @@ class PrecisionReport:
         their length; while bodies and every cond branch counted once).
     - `low_precision_share`: their ratio (0.0 when there are no matmuls).
     - `casts`: how many casts between floating dtypes the program holds.
-    - `full_precision_ops`: the arithmetic ops that read 32-bit (or wider) floats,
-        with their scope and source line, most frequent first.
+    - `full_precision_ops`: the arithmetic ops that read only 32-bit (or wider)
+        floats, with their scope and source line, most frequent first.
+    - `flops_by_dtypes`: matmul/conv FLOPs per pair of operand dtypes, mixed pairs
+        (`("bfloat16", "float32")`) included.
+    - `wide_matmuls`: the matmuls and convolutions with an operand of 32 bits or
+        more, most FLOPs first, each with the reason that operand is wide.
     """
 
     ops: dict[str, dict[tuple[str, ...], int]]
@@ -94,6 +122,10 @@ class PrecisionReport:
     low_precision_flops: int
     casts: int
     full_precision_ops: tuple[OpSite, ...]
+    flops_by_dtypes: dict[tuple[str, ...], int] = dataclasses.field(
+        default_factory=dict
+    )
+    wide_matmuls: tuple["WideMatmul", ...] = ()
 
     @property
     def low_precision_share(self) -> float:
@@ -112,6 +144,13 @@ class PrecisionReport:
         for name in sorted(self.ops, key=lambda n: -sum(self.ops[n].values())):
             for dtypes, count in sorted(self.ops[name].items(), key=lambda kv: -kv[1]):
                 lines.append(f"{name:<24} {count:>6}  {', '.join(dtypes) or '-'}")
+        if self.wide_matmuls:
+            lines += ["", "matmuls with a wide operand (FLOPs, dtypes, source: why):"]
+            for site in self.wide_matmuls[:10]:
+                lines.append(
+                    f"  {site.flops:,}  {', '.join(site.dtypes)}  {site.source}: "
+                    f"{site.reason}"
+                )
         if self.full_precision_ops:
             lines += ["", "full-precision ops (primitive x count, scope, source):"]
             for site in self.full_precision_ops[:25]:
@@ -155,8 +194,22 @@ def precision_report(fn: Callable, *args: Any, **kwargs: Any) -> PrecisionReport
     closed = _trace(fn, args, kwargs)
     jaxpr, _ = compat.open_jaxpr(closed)
     structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-    jax.eval_shape(lambda *xs: evaluate(closed, xs, census)[0], *structs)
+    origins = _argument_origins((fn, args, kwargs))
+    jax.eval_shape(
+        lambda *xs: evaluate(closed, xs, census, origins=origins)[0], *structs
+    )
     return census.report()
+
+
+def _argument_origins(tree: Any) -> list[Origin]:
+    """The arrays of Equinox modules (`fn` itself, or arguments) are parameters."""
+    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
+    dynamic = eqx.filter(tree, _is_input)
+    origins = []
+    for node in jtu.tree_leaves(dynamic, is_leaf=is_module):
+        origin = Origin.PARAMS if is_module(node) else Origin.DATA
+        origins += [origin] * len(jtu.tree_leaves(node))
+    return origins
 
 
 class _Census(Hook):
@@ -168,6 +221,13 @@ class _Census(Hook):
         )
         self.sites: collections.Counter = collections.Counter()
         self.matmul_flops = self.low_flops = self.casts = 0
+        self.flops_by_dtypes: collections.Counter = collections.Counter()
+        self.wide: list[WideMatmul] = []
+        # id(value) -> (value, "`op` at file:line"): which op made each value. The
+        # value is kept alive with its entry, so its id cannot be reused.
+        self._made_by: dict[int, tuple[Any, str]] = {}
+        # id(higher-order equation) -> (it, where its wide floating inputs were made)
+        self._entering: dict[int, tuple[Any, list[str]]] = {}
         # JAX may trace a loop body twice (to settle its carry types): count each
         # equation once per place it is called from.
         self._seen: set = set()
@@ -178,7 +238,69 @@ class _Census(Hook):
         if key not in self._seen:
             self._seen.add(key)
             self._count(eqn, frame)
-        return evaluate(invals)
+            if eqn.primitive in MATMUL_PRIMITIVES:
+                self._explain_wide_operands(eqn, frame, invals, origins)
+        if is_higher_order(eqn):
+            self._entering[id(eqn)] = (eqn, self._wide_sources(invals))
+        outvals = evaluate(invals)
+        made_by = f"`{eqn.primitive.name}` at {frame.source(eqn)}"
+        for value in outvals:
+            self._made_by.setdefault(id(value), (value, made_by))
+        return outvals
+
+    def _explain_wide_operands(self, eqn, frame, invals, origins) -> None:
+        operands = list(zip(eqn.invars[:2], invals[:2], origins[:2]))
+        wide = [
+            (value, origin)
+            for atom, value, origin in operands
+            if _floating_aval(atom) and not is_half_dtype(atom.aval.dtype)
+        ]
+        if not wide:
+            return
+        value, origin = wide[0]
+        self.wide.append(
+            WideMatmul(
+                primitive=eqn.primitive.name,
+                dtypes=_dtype_names(eqn.invars[:2]),
+                flops=_matmul_flops(eqn) * frame.repeats,
+                scope="/".join(frame.scopes),
+                source=frame.source(eqn),
+                reason=self._why_wide(value, origin, frame),
+            )
+        )
+
+    def _wide_sources(self, values: list) -> list[str]:
+        return [
+            self._made_by[id(v)][1]
+            for v in values
+            if is_floating_array(v)
+            and not is_half_dtype(v.dtype)
+            and id(v) in self._made_by
+        ]
+
+    def _why_wide(self, value: Any, origin: Origin, frame: Frame) -> str:
+        dtype = jnp.dtype(value.dtype).name
+        made = self._made_by.get(id(value))
+        if made:
+            where = f"made by {made[1]}"
+        elif frame.caller is not None:
+            caller_frame, call = frame.caller
+            where = (
+                f"an input or loop carry of `{call.primitive.name}` at "
+                f"{caller_frame.source(call)}"
+            )
+            entering = self._entering.get(id(call), (None, []))[1]
+            if entering:
+                where += f", which enters it as {dtype} made by {entering[0]}"
+        else:
+            where = "an input of the function"
+        if origin is Origin.CONSTANT:
+            what = f"a {dtype} array created inside the model (a constant, `jnp.zeros`)"
+        elif origin is Origin.PARAMS:
+            what = f"a {dtype} parameter (the filter spec keeps it) or made from one"
+        else:
+            what = f"{dtype} data (an argument, state, a loop carry, or made from them)"
+        return f"{what}, {where}"
 
     def _count(self, eqn: Any, frame: Frame) -> None:
         name = eqn.primitive.name
@@ -187,6 +309,7 @@ class _Census(Hook):
         if eqn.primitive in MATMUL_PRIMITIVES:
             flops = _matmul_flops(eqn) * frame.repeats
             self.matmul_flops += flops
+            self.flops_by_dtypes[_dtype_names(eqn.invars[:2])] += flops
             if all(is_half_dtype(a.aval.dtype) for a in eqn.invars[:2]):
                 self.low_flops += flops
         if eqn.primitive is lax.convert_element_type_p:
@@ -214,6 +337,8 @@ class _Census(Hook):
             low_precision_flops=self.low_flops,
             casts=self.casts,
             full_precision_ops=full_ops,
+            flops_by_dtypes=dict(self.flops_by_dtypes),
+            wide_matmuls=tuple(sorted(self.wide, key=lambda w: -w.flops)),
         )
 
 
@@ -416,7 +541,7 @@ def find_nonfinite(fn: Callable, *args: Any, **kwargs: Any) -> NonfiniteOp | Non
         print(bad)  # first non-finite value: `exp` in scope 'Head' at model.py:12 ...
     ```
     """
-    leaves = jtu.tree_leaves_with_path((args, kwargs))
+    leaves = jtu.tree_leaves_with_path((fn, args, kwargs))
     for path, leaf in leaves:
         if isinstance(leaf, jax.core.Tracer):
             raise ValueError(
@@ -428,9 +553,14 @@ def find_nonfinite(fn: Callable, *args: Any, **kwargs: Any) -> NonfiniteOp | Non
             and is_floating_dtype(leaf.dtype)
             and not _all_finite([leaf])
         ):
+            where = (
+                f"The function's array at {jtu.keystr(path[1:])}"
+                if path[0].idx == 0
+                else f"The argument at [{path[0].idx - 1}]{jtu.keystr(path[1:])}"
+            )
             raise ValueError(
-                f"The argument at {jtu.keystr(path)} already holds inf or nan: the "
-                "problem is upstream of this function."
+                f"{where} already holds inf or nan: the problem is upstream of this "
+                "function."
             )
     closed = _trace(fn, args, kwargs)
     flat = [leaf for _, leaf in leaves if eqx.is_array(leaf)]

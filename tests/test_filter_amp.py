@@ -447,3 +447,44 @@ def test_arg_spec_keeps_a_diffusion_time_in_float32(getkey):
     assert eqx.tree_equal(state_kept(state, y), state)  # State is never cast
     with pytest.raises(ValueError, match=r"`arg_spec` does not fit the arguments"):
         eqx_amp.filter_amp(model, arg_spec=((False, True, True), {}))(ts[0], y)
+
+
+class _RNN(eqx.Module):
+    cell: eqx.nn.GRUCell
+    carry_in_input_dtype: bool = eqx.field(static=True)
+
+    def __call__(self, xs):
+        dtype = xs.dtype if self.carry_in_input_dtype else jnp.float32
+        h0 = jnp.zeros(self.cell.hidden_size, dtype)
+        return jax.lax.scan(lambda h, x: (self.cell(x, h), None), h0, xs)[0]
+
+
+class _SpectralMLP(eqx.Module):
+    layer: eqx.nn.SpectralNorm
+
+    def __call__(self, x, state):
+        return self.layer(x, state)
+
+
+def test_low_coverage_warns_once_naming_the_cause(getkey):
+    """An RNN whose carry is made in float32 inside the model runs most of its
+    matmuls wide under `filter_amp`, and so does a SpectralNorm layer (its float32
+    state makes the weight float32): that is said once, naming the cause."""
+    xs = jnp.ones((10, 8))
+    wide = _RNN(eqx.nn.GRUCell(8, 32, key=getkey()), carry_in_input_dtype=False)
+    fixed = _RNN(eqx.nn.GRUCell(8, 32, key=getkey()), carry_in_input_dtype=True)
+    spectral, state = eqx.nn.make_with_state(_SpectralMLP)(
+        eqx.nn.SpectralNorm(eqx.nn.Linear(8, 8, key=getkey()), "weight", key=getkey())
+    )
+    # As users run them: float32 values meet bfloat16 ones in these models.
+    with jax.numpy_dtype_promotion("standard"):
+        match = r"runs only 20% .* of _RNN in bfloat16.*test_filter_amp\.py"
+        with pytest.warns(UserWarning, match=match):
+            jax.make_jaxpr(eqx_amp.filter_amp(wide))(xs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            eqx_amp.filter_amp(wide)(xs)  # once per function
+        with pytest.warns(UserWarning, match=r"runs only 0% .* of _SpectralMLP"):
+            eqx_amp.filter_amp(spectral)(jnp.ones(8), state)
+    report = eqx_amp.precision_report(eqx_amp.filter_amp(fixed), xs)
+    assert report.low_precision_share == 1.0

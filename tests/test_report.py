@@ -194,3 +194,31 @@ def test_find_nonfinite_hints_fit_the_dtypes():
     )
     assert f16.primitive == "convert_element_type"
     assert "or use bfloat16, which has float32's range" in f16.hint
+
+
+class _RNN(eqx.Module):
+    cell: eqx.nn.GRUCell
+    carry_in_input_dtype: bool = eqx.field(static=True, default=False)
+
+    def __call__(self, xs):
+        dtype = xs.dtype if self.carry_in_input_dtype else jnp.float32
+        h0 = jnp.zeros(self.cell.hidden_size, dtype)
+        return lax.scan(lambda h, x: (self.cell(x, h), None), h0, xs)[0]
+
+
+def test_report_counts_mixed_matmuls_and_says_why_they_are_wide(getkey):
+    model = _RNN(eqx.nn.GRUCell(8, 32, key=getkey()))
+    xs = jnp.ones((10, 8))
+    # As users run it: the float32 carry meets bfloat16 in the cell's adds.
+    with jax.numpy_dtype_promotion("standard"):
+        with pytest.warns(UserWarning, match=r"runs only 20% of the matmul"):
+            report = eqx_amp.precision_report(eqx_amp.filter_amp(model), xs)
+    assert report.flops_by_dtypes[("bfloat16", "float32")] == 61_440  # h @ W_hh
+    assert report.low_precision_share == pytest.approx(0.2)
+    (wide,) = report.wide_matmuls
+    assert wide.dtypes == ("bfloat16", "float32") and wide.flops == 61_440
+    assert "loop carry of `scan`" in wide.reason
+    assert (
+        "made by `broadcast_in_dim`" in wide.reason and "test_report.py" in wide.reason
+    )
+    assert "matmuls with a wide operand" in str(report)
