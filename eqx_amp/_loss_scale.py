@@ -278,7 +278,19 @@ class AbstractLossScale(eqx.Module):
         """
 
 
-class NoOpLossScale(AbstractLossScale):
+class _AbstractFixedLossScale(AbstractLossScale):
+    """A loss scale that `adjust` never changes."""
+
+    @property
+    def is_fixed(self) -> bool:
+        return True
+
+    def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "_AbstractFixedLossScale":
+        _check_grads_finite(grads_finite)
+        return self
+
+
+class NoOpLossScale(_AbstractFixedLossScale):
     """A loss scale that does not scale: `loss_scale` is 1, and `adjust` returns the
     same scale. Use it to switch loss scaling off (for bfloat16 or float32 training)
     without changing the training loop.
@@ -304,16 +316,8 @@ class NoOpLossScale(AbstractLossScale):
     def unscale(self, tree: PyTree) -> PyTree:
         return _unscale_tree(tree, None)
 
-    @property
-    def is_fixed(self) -> bool:
-        return True
 
-    def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "NoOpLossScale":
-        _check_grads_finite(grads_finite)
-        return self
-
-
-class StaticLossScale(AbstractLossScale):
+class StaticLossScale(_AbstractFixedLossScale):
     """A loss scale that stays the same: the loss is multiplied by `loss_scale` and
     the gradients are divided by it at every step, and `adjust` returns the same
     scale.
@@ -342,14 +346,6 @@ class StaticLossScale(AbstractLossScale):
 
     def unscale(self, tree: PyTree) -> PyTree:
         return _unscale_tree(tree, self.loss_scale)
-
-    @property
-    def is_fixed(self) -> bool:
-        return True
-
-    def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "StaticLossScale":
-        _check_grads_finite(grads_finite)
-        return self
 
 
 class DynamicLossScale(AbstractLossScale):

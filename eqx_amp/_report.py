@@ -193,7 +193,8 @@ def precision_report(fn: Callable, *args: Any, **kwargs: Any) -> PrecisionReport
     census = _Census()
     closed = _trace(fn, args, kwargs)
     jaxpr, _ = compat.open_jaxpr(closed)
-    structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+    # The avals themselves: they carry the varying manual axes of a `shard_map`.
+    structs = [v.aval for v in jaxpr.invars]
     origins = _argument_origins((fn, args, kwargs))
     jax.eval_shape(
         lambda *xs: evaluate(closed, xs, census, origins=origins)[0], *structs
