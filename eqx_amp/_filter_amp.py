@@ -318,7 +318,8 @@ _COVERAGE_CHECKED: set = set()
 
 _LOW_COVERAGE = (
     "`filter_amp` runs only {share:.0%} of the matmul/convolution FLOPs of {name} in "
-    "{dtype}: the rest read a wider operand. The largest: {flops:,} FLOPs at "
+    "{dtype} (not counting those on parameters the filter spec keeps): the rest "
+    "read a wider operand. The largest: {flops:,} FLOPs at "
     "{source}, whose wide operand is {reason}. Cast that array to the compute dtype "
     "where it is made (`jnp.zeros(n, x.dtype)`), keep fewer leaves in the filter "
     "spec, or use `eqx_amp.autocast`, which casts every matmul's operands. "
@@ -344,13 +345,17 @@ def _check_coverage_once(
     except Exception:  # noqa: BLE001
         # A diagnostic: if it cannot trace what the real call can, it says nothing.
         return
-    if not report.matmul_flops or report.low_precision_share >= 0.5:
+    # Matmuls on parameters the filter spec keeps wide were asked for.
+    chosen = sum(w.flops for w in report.wide_matmuls if w.origin == "params")
+    unasked = [w for w in report.wide_matmuls if w.origin != "params"]
+    considered = report.matmul_flops - chosen
+    if not unasked or report.low_precision_flops >= 0.5 * considered:
         return
-    worst = report.wide_matmuls[0]
+    worst = unasked[0]
     name = getattr(original, "__qualname__", type(original).__qualname__)
     warnings.warn(
         _LOW_COVERAGE.format(
-            share=report.low_precision_share,
+            share=report.low_precision_flops / considered,
             name=name,
             dtype=policy.compute_dtype.name,
             flops=worst.flops,

@@ -95,6 +95,8 @@ class WideMatmul:
     scope: str
     source: str
     reason: str
+    # What the wide operand was computed from: "data", "params" or "constant".
+    origin: str = "data"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +269,7 @@ class _Census(Hook):
                 scope="/".join(frame.scopes),
                 source=frame.source(eqn),
                 reason=self._why_wide(value, origin, frame),
+                origin=origin.name.lower(),
             )
         )
 
