@@ -22,6 +22,7 @@ from ._jaxpr._evaluate import (
     Origin,
     evaluate,
     is_higher_order,
+    leaf_origins,
 )
 
 
@@ -206,13 +207,11 @@ def precision_report(fn: Callable, *args: Any, **kwargs: Any) -> PrecisionReport
 
 def _argument_origins(tree: Any) -> list[Origin]:
     """The arrays of Equinox modules (`fn` itself, or arguments) are parameters."""
-    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
-    dynamic = eqx.filter(tree, _is_input)
-    origins = []
-    for node in jtu.tree_leaves(dynamic, is_leaf=is_module):
-        origin = Origin.PARAMS if is_module(node) else Origin.DATA
-        origins += [origin] * len(jtu.tree_leaves(node))
-    return origins
+    return leaf_origins(eqx.filter(tree, _is_input), _is_module)
+
+
+def _is_module(node: Any) -> bool:
+    return isinstance(node, eqx.Module)
 
 
 class _Census(Hook):

@@ -229,7 +229,7 @@ def evaluate_function(
     `params_are(node)` marks the subtrees of `args` whose arrays are parameters."""
     dynamic, static = eqx.partition(list(args), eqx.is_array)
     leaves, treedef = jtu.tree_flatten(dynamic)
-    origins = None if params_are is None else _parameter_leaves(dynamic, params_are)
+    origins = None if params_are is None else leaf_origins(dynamic, params_are)
     static_out = []
 
     def flat_fn(*leaves):
@@ -245,7 +245,9 @@ def evaluate_function(
     return eqx.combine(jtu.tree_unflatten(out_treedef, outs), static_out[0])
 
 
-def _parameter_leaves(tree: Any, params_are: Callable[[Any], bool]) -> list[Origin]:
+def leaf_origins(tree: Any, params_are: Callable[[Any], bool]) -> list[Origin]:
+    """One origin per leaf of `tree`: `PARAMS` inside the subtrees `params_are`
+    selects, `DATA` elsewhere."""
     origins = []
     for node in jtu.tree_leaves(tree, is_leaf=params_are):
         origin = Origin.PARAMS if params_are(node) else Origin.DATA
@@ -569,7 +571,8 @@ def _with_bodies_under_hook(eqn, invals, in_origins, frame, hook):
             return cast_to(evaluate(closed, args, hook, body_frame)[0], out_dtypes)
 
         new = jax.make_jaxpr(body)(*in_types)
-        return new if compat.is_jaxpr(closed) and closed is not jaxpr else new.jaxpr
+        # Closed in, closed out; an open jaxpr (jax 0.10) stays open.
+        return new if closed is not jaxpr else new.jaxpr
 
     params = compat.replace_jaxprs(eqn.params, under_hook)
     outs = compat.bind(eqn, cast_to(invals, traced_dtypes(eqn.invars)), params)
