@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
@@ -114,6 +115,62 @@ nan_step = run_step(x.at[3 * 4 + 1, 2].set(jnp.nan))
 
 
 #
+# The same step in the short form: the loss scale in the optimizer state.
+#
+
+optim = eqx_amp.loss_scaling(optax.sgd(0.1), eqx_amp.DynamicLossScale(2.0**10))
+
+
+def short_step(params, opt_state, x, y):
+    model = eqx.combine(params, static)
+    grad_fn = eqx_amp.scaled_value_and_grad(global_loss, opt_state, axis_name=AXIS)
+    _, grads = grad_fn(model, x, y)
+    updates, opt_state = optim.update(grads, opt_state, params)
+    new_params = eqx.apply_updates(params, updates)
+    scale = opt_state.loss_scale
+    out = (
+        new_params,
+        scale.loss_scale,
+        opt_state.total_notfinite,
+        opt_state.last_finite,
+    )
+    return per_device(out)
+
+
+sharded_short_step = jax.jit(
+    jax.shard_map(
+        short_step,
+        mesh=mesh,
+        in_specs=(P(), P(), P(AXIS), P(AXIS)),
+        out_specs=P(AXIS),
+    )
+)
+
+
+def run_short_step(x):
+    new_params, loss_scale, total_notfinite, finite = sharded_short_step(
+        params, optim.init(params), x, y
+    )
+    new_leaves = jax.tree_util.tree_leaves(new_params)
+    explicit = jax.tree_util.tree_leaves(
+        sharded_step(params, eqx_amp.DynamicLossScale(2.0**10, period=1000), x, y)[0]
+    )
+    return {
+        "grads_finite": np.asarray(finite).tolist(),
+        "loss_scale": np.asarray(loss_scale).tolist(),
+        "total_notfinite": np.asarray(total_notfinite).tolist(),
+        "same_as_explicit": all(
+            np.allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+            for a, b in zip(new_leaves, explicit)
+        ),
+    }
+
+
+short_finite_step = run_short_step(x)
+short_nan_step = run_short_step(x.at[3 * 4 + 1, 2].set(jnp.nan))
+
+
+#
 # What JAX does with the gradients of replicated parameters.
 #
 
@@ -165,6 +222,8 @@ print(
             "devices": n_devices,
             "finite_step": finite_step,
             "nan_step": nan_step,
+            "short_finite_step": short_finite_step,
+            "short_nan_step": short_nan_step,
             "semantics": semantics,
         }
     )

@@ -436,6 +436,18 @@ def test_shard_map_on_eight_devices():
     assert nan_step["params_unchanged"] == [True] * 8
     assert nan_step["params_finite"] is True
 
+    # The short form (`loss_scaling` + `scaled_value_and_grad(..., axis_name=...)`):
+    # the same step, the same agreement on finiteness and on the scale.
+    short = report["short_finite_step"]
+    assert short["grads_finite"] == [True] * 8
+    assert short["loss_scale"] == [2.0**10] * 8
+    assert short["same_as_explicit"] is True
+    short_nan = report["short_nan_step"]
+    assert short_nan["grads_finite"] == [False] * 8
+    assert short_nan["loss_scale"] == [2.0**9] * 8
+    assert short_nan["total_notfinite"] == [1] * 8
+    assert short_nan["same_as_explicit"] is True  # both skipped: params unchanged
+
     # What JAX does with gradients of replicated parameters (see the docstring of
     # `filter_value_and_grad`): with check_vma=True they are summed over devices, so
     # the mean needs the global-mean loss; with check_vma=False, axis_name averages.
