@@ -77,14 +77,13 @@ def step(params, loss_scale, x, y):
     return per_device((*out, finite))
 
 
-sharded_step = jax.jit(
-    jax.shard_map(
-        step,
-        mesh=mesh,
-        in_specs=(P(), P(), P(AXIS), P(AXIS)),
-        out_specs=P(AXIS),
-    )
-)
+def data_parallel(fn):
+    """`fn(replicated, replicated, x_shard, y_shard)` on every device, jitted."""
+    specs = (P(), P(), P(AXIS), P(AXIS))
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(AXIS)))
+
+
+sharded_step = data_parallel(step)
 
 
 def run_step(x):
@@ -137,14 +136,7 @@ def short_step(params, opt_state, x, y):
     return per_device(out)
 
 
-sharded_short_step = jax.jit(
-    jax.shard_map(
-        short_step,
-        mesh=mesh,
-        in_specs=(P(), P(), P(AXIS), P(AXIS)),
-        out_specs=P(AXIS),
-    )
-)
+sharded_short_step = data_parallel(short_step)
 
 
 def run_short_step(x):
