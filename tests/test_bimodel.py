@@ -648,3 +648,17 @@ def test_complex_parameters_train(getkey):
     assert rel_error(jnp.abs(grads.diag), jnp.abs(expected.diag)) < 2e-2
     updated = bimodel.apply_updates(jax.tree_util.tree_map(lambda g: -0.1 * g, grads))
     assert updated.master.diag.dtype == jnp.complex64
+
+
+def test_low_coverage_warns_for_a_bimodel_too(getkey):
+    class CarryRNN(eqx.Module):
+        cell: eqx.nn.GRUCell
+
+        def __call__(self, xs):
+            h0 = jnp.zeros(self.cell.hidden_size)  # float32, made inside the model
+            return jax.lax.scan(lambda h, x: (self.cell(x, h), None), h0, xs)[0]
+
+    bimodel = eqx_amp.BiModel(CarryRNN(eqx.nn.GRUCell(8, 32, key=getkey())))
+    with jax.numpy_dtype_promotion("standard"):  # as users run it
+        with pytest.warns(UserWarning, match=r"runs only 20% .*CarryRNN in bfloat16"):
+            bimodel(jnp.ones((10, 8)))
