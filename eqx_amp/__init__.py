@@ -35,4 +35,7 @@ from ._report import find_nonfinite as find_nonfinite
 from ._report import precision_report as precision_report
 
 
-__version__ = importlib.metadata.version("eqx_amp")
+try:
+    __version__ = importlib.metadata.version("eqx_amp")
+except importlib.metadata.PackageNotFoundError:  # a source checkout, not installed
+    __version__ = "0+unknown"
