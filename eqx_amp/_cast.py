@@ -75,6 +75,7 @@ ACCEPTED_DTYPE_WORDS = ", ".join(
 )
 
 
+@ft.cache  # the devices do not change, and policies are resolved at every trace
 def half_dtype() -> np.dtype:
     """The half-precision dtype this platform computes fastest in.
 
@@ -239,8 +240,9 @@ def cast_all_but_state(
             return cast_leaf(leaf, dtype_of(leaf.dtype))
         return leaf
 
-    is_state = lambda x: isinstance(x, STATE_TYPES)  # noqa: E731
-    return jtu.tree_map(lambda x: x if is_state(x) else cast(x), tree, is_leaf=is_state)
+    return jtu.tree_map(
+        lambda x: x if _is_state(x) else cast(x), tree, is_leaf=_is_state
+    )
 
 
 def overflowing_leaves(
@@ -253,16 +255,23 @@ def overflowing_leaves(
     limit = float(jnp.finfo(dtype).max)
     leaves = jtu.tree_leaves_with_path(tree)
     selected = [True] * len(leaves) if mask is None else jtu.tree_leaves(mask)
-    found = []
-    for (path, leaf), keep in zip(leaves, selected):
-        if not (keep and is_floating_array(leaf)) or isinstance(leaf, jax.core.Tracer):
-            continue
-        if float(jnp.finfo(leaf.dtype).max) <= limit or leaf.size == 0:
-            continue
-        values = np.abs(np.asarray(leaf, np.float64))
-        if np.any(np.isfinite(values) & (values > limit)):
-            found.append(jtu.keystr(path))
-    return found
+    candidates = [
+        (path, leaf)
+        for (path, leaf), keep in zip(leaves, selected)
+        if keep
+        and is_floating_array(leaf)
+        and not isinstance(leaf, jax.core.Tracer)
+        and leaf.size
+        and float(jnp.finfo(leaf.dtype).max) > limit
+    ]
+    # Reduced where the arrays live, and brought to the host in one transfer.
+    too_large = jax.device_get(
+        [
+            jnp.any(jnp.isfinite(leaf) & (jnp.abs(leaf) > limit))
+            for _, leaf in candidates
+        ]
+    )
+    return [jtu.keystr(path) for (path, _), bad in zip(candidates, too_large) if bad]
 
 
 def describe_leaves(paths: list[str], limit: int = 5) -> str:
@@ -304,5 +313,8 @@ def warn_if_cast_overflows(
 
 def drop_state(tree: PyTree) -> PyTree:
     """`tree` with every `eqx.nn.State` replaced by `None`."""
-    is_state = lambda x: isinstance(x, STATE_TYPES)  # noqa: E731
-    return jtu.tree_map(lambda x: None if is_state(x) else x, tree, is_leaf=is_state)
+    return jtu.tree_map(lambda x: None if _is_state(x) else x, tree, is_leaf=_is_state)
+
+
+def _is_state(node: Any) -> bool:
+    return isinstance(node, STATE_TYPES)

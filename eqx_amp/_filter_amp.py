@@ -312,9 +312,19 @@ class _AmpWrapper(FunctionWrapper):
         return cast_all_but_state(out, lambda _: policy.output_dtype)
 
 
-# The functions whose matmul coverage has been checked: the check traces the function
-# once more, so it runs once per function (its class or code) and policy.
+# The functions (their class or code) and policies whose coverage has been checked:
+# the check traces the function once more, so it runs once for each.
 _COVERAGE_CHECKED: set = set()
+
+
+def _first_time(checked: set, fn: Any, policy: Policy) -> bool:
+    code = getattr(fn, "__code__", None)
+    key = (type(fn) if code is None else code, policy)
+    if key in checked:
+        return False
+    checked.add(key)
+    return True
+
 
 _LOW_COVERAGE = (
     "`filter_amp` runs only {share:.0%} of the matmul/convolution FLOPs of {name} in "
@@ -335,11 +345,8 @@ def _check_coverage_once(
     user asked for mixed precision and would otherwise not know."""
     if not is_half_dtype(policy.compute_dtype):
         return
-    code = getattr(original, "__code__", None)
-    key = (type(original) if code is None else code, policy)
-    if key in _COVERAGE_CHECKED:
+    if not _first_time(_COVERAGE_CHECKED, original, policy):
         return
-    _COVERAGE_CHECKED.add(key)
     try:
         report = precision_report(view, *args, **kwargs)
     except Exception:  # noqa: BLE001
@@ -430,7 +437,8 @@ def filter_amp(
 def _warn_if_weights_overflow(
     fn: Any, policy: Policy, filter_spec: FilterSpec | None
 ) -> None:
-    """Says once, where the weights are concrete, that some will be cast to inf."""
+    """Says where the weights are concrete (not inside `jit`) that some will be
+    cast to inf: once, when `filter_amp` is applied."""
     if not (isinstance(fn, eqx.Module) or _is_pytree_node(fn)):
         return
     spec = default_filter_spec(fn) if filter_spec is None else filter_spec

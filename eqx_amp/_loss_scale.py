@@ -459,11 +459,7 @@ def unbound_axis_name_error(axis_name: Hashable):
 
 
 def _inexact_arrays(tree: PyTree) -> list[Array]:
-    return [
-        x
-        for x in jtu.tree_leaves(tree)
-        if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
-    ]
+    return [x for x in jtu.tree_leaves(tree) if is_inexact_array(x)]
 
 
 def all_finite(tree: PyTree, axis_name: Hashable | None = None) -> Bool[Array, ""]:

@@ -98,16 +98,17 @@ class _CastCache:
     ) -> Any:
         if dtype is None or not is_floating_array(value) or value.dtype == dtype:
             return value
-        if origin is Origin.CONSTANT:
-            value = saturate(value, dtype)
+        # A constant too large for the narrower dtype becomes its largest value.
+        saturated = saturate if origin is Origin.CONSTANT else lambda v, _: v
         if isinstance(value, (np.ndarray, np.generic)):
             # A literal: cast now, so it stays a constant rather than becoming a
             # traced value (which the backward pass might save).
-            return np.asarray(value).astype(dtype)
+            return np.asarray(saturated(value, dtype)).astype(dtype)
         key = (id(value), jnp.dtype(dtype))
         if key not in self._casts:
             # The source is kept alive with its cast, so its id cannot be reused.
-            self._casts[key] = (value, lax.convert_element_type(value, dtype))
+            cast = lax.convert_element_type(saturated(value, dtype), dtype)
+            self._casts[key] = (value, cast)
         return self._casts[key][1]
 
 

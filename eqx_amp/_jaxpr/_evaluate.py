@@ -45,7 +45,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 
-from .._cast import is_floating_array
+from .._cast import is_floating_array, is_floating_dtype
 from . import _compat as compat
 
 
@@ -149,7 +149,7 @@ def cast_to(values: Sequence[Any], dtypes: Sequence[np.dtype]) -> list[Any]:
     """Casts floating values to the given floating dtypes (others pass through)."""
     return [
         lax.convert_element_type(v, d)
-        if is_floating_array(v) and jnp.issubdtype(d, jnp.floating) and v.dtype != d
+        if is_floating_array(v) and is_floating_dtype(d) and v.dtype != d
         else v
         for v, d in zip(values, dtypes)
     ]
