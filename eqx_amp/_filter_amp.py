@@ -27,13 +27,16 @@ from ._cast import (
 )
 from ._filters import (
     FULL_PRECISION_SCOPE,
+    SELF_CASTING_LAYERS,
     STATE_TYPES,
     FilterSpec,
     default_filter_spec,
     selection_mask,
 )
+from ._jaxpr._evaluate import evaluate_function
 from ._policy import Policy, get_policy, resolve_policy
 from ._report import precision_report
+from ._sharding import ReduceInHook
 from ._wrapper import FunctionWrapper, check_callable
 
 
@@ -110,11 +113,21 @@ def _fully_kept(node: eqx.Module, mask: PyTree[bool]) -> bool:
     return bool(selected) and not any(selected)
 
 
+def _runs_at_own_dtype(node: eqx.Module) -> bool:
+    """Equinox's LayerNorm, RMSNorm and GroupNorm (not a subclass that changes their
+    call) compute in float32 and return their input's dtype by themselves."""
+    return any(
+        isinstance(node, layer) and type(node).__call__ is layer.__call__
+        for layer in SELF_CASTING_LAYERS
+    )
+
+
 def _is_boundary_candidate(node: Any) -> bool:
     return (
         isinstance(node, eqx.Module)
         and not isinstance(node, STATE_TYPES)
         and callable(node)
+        and not _runs_at_own_dtype(node)
     )
 
 
@@ -308,8 +321,26 @@ class _AmpWrapper(FunctionWrapper):
         fn = _amp_view(self.fn, policy, self.filter_spec, {})
         args, kwargs = _cast_arguments(args, kwargs, policy, self.arg_spec)
         _check_coverage_once(self.fn, fn, args, kwargs, policy)
-        out = fn(*args, **kwargs)
+        if policy.reduce_dtype == policy.compute_dtype:
+            out = fn(*args, **kwargs)
+        else:
+            # Only the matmuls reading parameters change: their weight gradients are
+            # emitted (and so reduced across devices) in the reduce dtype.
+            out = evaluate_function(
+                _call,
+                (fn, args, kwargs),
+                ReduceInHook(policy.reduce_dtype),
+                params_are=_is_module,
+            )
         return cast_all_but_state(out, lambda _: policy.output_dtype)
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    return fn(*args, **kwargs)
+
+
+def _is_module(node: Any) -> bool:
+    return isinstance(node, eqx.Module)
 
 
 # The functions (their class or code) and policies whose coverage has been checked:

@@ -21,12 +21,14 @@ STATE_TYPES = (eqx.nn.State, eqx.nn.StateIndex)
 # The named scopes Equinox's norm layers open around their ops: `autocast` computes
 # under them in float32.
 NORM_SCOPES = tuple(f"eqx.nn.{layer.__name__}" for layer in NORM_LAYERS)
-# The norm layers among them end with `out.astype(orig_dtype)`: they hand back the
-# dtype their input arrived in, and under autocast they still do (BatchNorm promotes
-# with its float32 running statistics instead).
+# The norm layers among them that compute in (at least) float32 whatever their input
+# dtype, and end with `out.astype(orig_dtype)`: they hand back the dtype their input
+# arrived in, so with float32 weights they already run at a call boundary of their
+# own (`filter_amp` passes them as they are), and under autocast they still do.
+# (BatchNorm promotes with its float32 running statistics instead.)
+SELF_CASTING_LAYERS = (eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.GroupNorm)
 LAYERS_RETURNING_INPUT_DTYPE_SCOPES = tuple(
-    f"eqx.nn.{layer.__name__}"
-    for layer in (eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.GroupNorm)
+    f"eqx.nn.{layer.__name__}" for layer in SELF_CASTING_LAYERS
 )
 # `autocast` keeps every op under this scope (`with full_precision():`) at the dtypes
 # it was traced with.

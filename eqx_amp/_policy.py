@@ -26,6 +26,8 @@ _KEY_ALIASES = {
     "compute": "compute",
     "o": "output",
     "output": "output",
+    "r": "reduce",
+    "reduce": "reduce",
 }
 _KERAS_POLICIES = ("mixed_bfloat16", "mixed_float16")
 _ACCEPTED_KEYS = ", ".join(repr(k) for k in _KEY_ALIASES)
@@ -33,6 +35,7 @@ _GRAMMAR = (
     "A policy string is either one dtype word (all three dtypes the same), "
     f"one of {', '.join(repr(k) for k in _KERAS_POLICIES)}, or comma-separated "
     "`key=dtype` pairs such as 'params=float32,compute=bfloat16,output=float32' "
+    "(and optionally 'reduce=float32', the gradient-reduction dtype) "
     f"(keys: {_ACCEPTED_KEYS}; dtype words: {ACCEPTED_DTYPE_WORDS}, or any "
     "floating dtype name JAX knows, such as 'float8_e4m3fn')."
 )
@@ -41,8 +44,9 @@ _GRAMMAR = (
 @dataclasses.dataclass(frozen=True, init=False)
 class Policy:
     """The dtypes of a mixed-precision scheme: parameters are stored in
-    `param_dtype`, computation runs in `compute_dtype`, and results are returned in
-    `output_dtype`.
+    `param_dtype`, computation runs in `compute_dtype`, results are returned in
+    `output_dtype`, and the gradients of parameters are accumulated and reduced
+    across devices in `reduce_dtype`.
 
     A `Policy` is an immutable, hashable value (not a pytree), so it can be a static
     argument of `jax.jit` or a static field of an `eqx.Module`.
@@ -51,6 +55,14 @@ class Policy:
 
     - `param_dtype`, `compute_dtype`, `output_dtype`: floating dtypes, in any
         spelling (`jnp.bfloat16`, `np.float32`, `"bf16"`, ...).
+    - `reduce_dtype`: the dtype the weight-gradient matmuls accumulate and emit in,
+        and so the dtype in which data-parallel and FSDP gradients are summed across
+        devices (PyTorch FSDP's `reduce_dtype`). `None` (the default) is the compute
+        dtype: what a hand-cast model does, with half the bytes on the wire.
+        `float32` sums in float32 and rounds once: choose it for float16 (scaled
+        float16 gradients summed over many devices can overflow) or when summing
+        bfloat16 over many devices loses too much precision. It must be the compute
+        dtype or wider.
 
     **Example:**
 
@@ -58,23 +70,41 @@ class Policy:
     policy = eqx_amp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
     assert policy == eqx_amp.get_policy("p=f32,c=bf16,o=f32")
     x16 = policy.cast_to_compute(jnp.ones(3))  # bfloat16
+    fsdp = policy.with_reduce_dtype(jnp.float32)  # str: "...,reduce=float32"
     ```
     """
 
     param_dtype: np.dtype
     compute_dtype: np.dtype
     output_dtype: np.dtype
+    reduce_dtype: np.dtype
 
-    def __init__(self, param_dtype: Any, compute_dtype: Any, output_dtype: Any):
-        object.__setattr__(
-            self, "param_dtype", floating_dtype(param_dtype, "param_dtype")
+    def __init__(
+        self,
+        param_dtype: Any,
+        compute_dtype: Any,
+        output_dtype: Any,
+        reduce_dtype: Any = None,
+    ):
+        param = floating_dtype(param_dtype, "param_dtype")
+        compute = floating_dtype(compute_dtype, "compute_dtype")
+        output = floating_dtype(output_dtype, "output_dtype")
+        reduce = (
+            compute
+            if reduce_dtype is None
+            else floating_dtype(reduce_dtype, "reduce_dtype")
         )
-        object.__setattr__(
-            self, "compute_dtype", floating_dtype(compute_dtype, "compute_dtype")
-        )
-        object.__setattr__(
-            self, "output_dtype", floating_dtype(output_dtype, "output_dtype")
-        )
+        if jnp.promote_types(compute, reduce) != reduce:
+            raise ValueError(
+                f"`reduce_dtype` must be the compute dtype ({compute.name}) or a wider "
+                f"floating dtype such as float32, but got {reduce.name}: gradients "
+                "are computed in the compute dtype, and reducing them in a narrower "
+                "one would lose what the matmuls kept."
+            )
+        object.__setattr__(self, "param_dtype", param)
+        object.__setattr__(self, "compute_dtype", compute)
+        object.__setattr__(self, "output_dtype", output)
+        object.__setattr__(self, "reduce_dtype", reduce)
 
     def cast_to_param(self, tree: PyTree) -> PyTree:
         """Casts the floating arrays of `tree` to `param_dtype`."""
@@ -90,27 +120,44 @@ class Policy:
 
     def with_param_dtype(self, dtype: Any) -> "Policy":
         """A copy of this policy with another `param_dtype`."""
-        return Policy(dtype, self.compute_dtype, self.output_dtype)
+        return Policy(dtype, self.compute_dtype, self.output_dtype, self._own_reduce)
 
     def with_compute_dtype(self, dtype: Any) -> "Policy":
-        """A copy of this policy with another `compute_dtype`."""
-        return Policy(self.param_dtype, dtype, self.output_dtype)
+        """A copy of this policy with another `compute_dtype` (a `reduce_dtype` that
+        was the compute dtype follows it)."""
+        return Policy(self.param_dtype, dtype, self.output_dtype, self._own_reduce)
 
     def with_output_dtype(self, dtype: Any) -> "Policy":
         """A copy of this policy with another `output_dtype`."""
-        return Policy(self.param_dtype, self.compute_dtype, dtype)
+        return Policy(self.param_dtype, self.compute_dtype, dtype, self._own_reduce)
+
+    def with_reduce_dtype(self, dtype: Any) -> "Policy":
+        """A copy of this policy with another `reduce_dtype` (`None`: the compute
+        dtype)."""
+        return Policy(self.param_dtype, self.compute_dtype, self.output_dtype, dtype)
+
+    @property
+    def _own_reduce(self) -> np.dtype | None:
+        """The reduce dtype where it was chosen apart from the compute dtype."""
+        return None if self.reduce_dtype == self.compute_dtype else self.reduce_dtype
 
     def __str__(self) -> str:
+        reduce = "" if self._own_reduce is None else f",reduce={self.reduce_dtype.name}"
         return (
             f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
-            f"output={self.output_dtype.name}"
+            f"output={self.output_dtype.name}{reduce}"
         )
 
     def __repr__(self) -> str:
+        reduce = (
+            ""
+            if self._own_reduce is None
+            else f", reduce_dtype={self.reduce_dtype.name}"
+        )
         return (
             f"Policy(param_dtype={self.param_dtype.name}, "
             f"compute_dtype={self.compute_dtype.name}, "
-            f"output_dtype={self.output_dtype.name})"
+            f"output_dtype={self.output_dtype.name}{reduce})"
         )
 
 
@@ -122,7 +169,7 @@ def get_policy(policy: str | Policy) -> Policy:
 
     - `policy`: a string such as `"params=float32,compute=bfloat16,output=float32"`
         (short keys `p`, `c`, `o`; short dtype names `f32`, `bf16`, `f16`, `half`,
-        `full`, ...), a single dtype word (`"bfloat16"`: all three dtypes the same),
+        `full`, ...; `reduce=`/`r=` sets `Policy.reduce_dtype`), a single dtype word (`"bfloat16"`: all three dtypes the same),
         or a `Policy` (returned unchanged). Missing keys default as in jmp: params
         float32, compute follows params, output follows compute. `"half"` is the
         platform's half dtype (see `default_policy`).
@@ -180,7 +227,7 @@ def get_policy(policy: str | Policy) -> Policy:
     param = dtypes.get("params", jnp.dtype(jnp.float32))
     compute = dtypes.get("compute", param)
     output = dtypes.get("output", compute)
-    return Policy(param, compute, output)
+    return Policy(param, compute, output, dtypes.get("reduce"))
 
 
 def _parse_word(word: str, policy: str, what: str) -> np.dtype:

@@ -29,7 +29,8 @@ class _AutocastWrapper(FunctionWrapper):
     rules: RuleTable = eqx.field(static=True)
 
     def __call__(self, *args, **kwargs):
-        hook = AutocastHook(self.rules, resolve_policy(self.policy).compute_dtype)
+        policy = resolve_policy(self.policy)
+        hook = AutocastHook(self.rules, policy.compute_dtype, policy.reduce_dtype)
         # The arrays of Equinox modules (`fn` itself, or arguments) are parameters:
         # they follow the activations they meet.
         return evaluate_function(

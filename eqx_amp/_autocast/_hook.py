@@ -16,6 +16,7 @@ from .._jaxpr._evaluate import (
     is_higher_order,
     traced_dtypes,
 )
+from .._sharding import bind_reducing_gradients, reduced_operands
 from ._layer_calls import LayerCalls
 from ._rules import (
     BuiltinRule,
@@ -31,9 +32,16 @@ class AutocastHook(Hook):
     named scope) has; higher-order primitives are left to the evaluator, which
     recurses into them under this hook."""
 
-    def __init__(self, rules: RuleTable, compute_dtype: np.dtype):
+    def __init__(
+        self,
+        rules: RuleTable,
+        compute_dtype: np.dtype,
+        reduce_dtype: np.dtype | None = None,
+    ):
         self.rules = rules
         self.compute_dtype = compute_dtype
+        # Weight gradients are emitted in it, where it differs from compute_dtype.
+        self.reduce_dtype = None if reduce_dtype == compute_dtype else reduce_dtype
 
     def enter_jaxpr(self, frame: Frame) -> "_JaxprCasts":
         return _JaxprCasts(self, frame)
@@ -46,6 +54,7 @@ class _JaxprCasts(Hook):
     def __init__(self, autocast: AutocastHook, frame: Frame):
         self._rules = autocast.rules
         self._compute_dtype = autocast.compute_dtype
+        self._reduce_dtype = autocast.reduce_dtype
         self._casts = _CastCache()
         self._layer_calls = LayerCalls(frame)
 
@@ -82,7 +91,13 @@ class _JaxprCasts(Hook):
                     eqn.params,
                 )
             )
-        return evaluate(invals, _follow_inputs(eqn, invals))
+        params = _follow_inputs(eqn, invals)
+        weights = reduced_operands(eqn, invals, origins)
+        if self._reduce_dtype is not None and weights:
+            return bind_reducing_gradients(
+                eqn, invals, weights, self._reduce_dtype, params
+            )
+        return evaluate(invals, params)
 
 
 class _CastCache:

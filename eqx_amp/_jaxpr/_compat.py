@@ -250,3 +250,23 @@ def source_line(eqn: Any) -> str:
     if frame is None:
         return UNKNOWN_SOURCE
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def varying_axes(value: Any) -> frozenset:
+    """The mapped axes over which `value` may differ from device to device, as
+    `jax.shard_map` (with `check_vma=True`) types it. The public `jax.typeof` gives
+    the type; where the set lives on it changed (`.vma` before jax 0.10)."""
+    aval = jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def is_batched(value: Any) -> bool:
+    """Whether `value` is being traced by `jax.vmap` at the innermost level, where a
+    function bound on it is batched before it is differentiated. No public API says
+    which transformation a tracer belongs to."""
+    from jax._src.interpreters import batching
+
+    return isinstance(value, batching.BatchTracer)

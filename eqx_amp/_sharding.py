@@ -1,0 +1,338 @@
+"""Beyond one device: the dtype gradients are reduced in, under both of JAX's engines.
+
+Under `jax.jit` with sharded arrays (GSPMD), the partitioner sums a weight gradient
+across devices right where it is made: on the output of the matmul that computes
+it. So the reduction dtype is the dtype that matmul emits, and choosing it means
+binding the matmul so that its transpose for the weight accumulates and emits in
+`Policy.reduce_dtype` (`matmul_reducing_weights`; `ReduceInHook` does it for every
+matmul that reads a parameter). Under `jax.shard_map` FSDP the reduction is the
+reduce-scatter that transposes the gather of the parameters, so `gather_params`
+casts before it gathers and reduces in the chosen dtype.
+"""
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jax import lax
+from jax.custom_batching import custom_vmap
+from jaxtyping import PyTree
+
+from ._cast import cast_leaf, is_floating_array, widest_dtype
+from ._filters import FilterSpec, default_filter_spec, selection_mask
+from ._jaxpr import _compat as compat
+from ._jaxpr._evaluate import Evaluate, Frame, Hook, Origin, cast_to, evaluate
+from ._loss_scale import check_axis_name, unbound_axis_name_error
+from ._policy import Policy, resolve_policy
+
+
+# Ops on a parameter whose transpose sums over the data (the batch, the sequence):
+# under GSPMD that sum is where the gradient is reduced across devices. Matmuls
+# contract over the data; a lookup's transpose scatter-adds into the table; a
+# broadcast's transpose sums over the new axes.
+_SUMMING_OPS = frozenset(
+    {
+        lax.dot_general_p,
+        lax.conv_general_dilated_p,
+        lax.gather_p,
+        lax.broadcast_in_dim_p,
+    }
+)
+# The transposes' summing ops, run in the reduce dtype: matmuls by their
+# `preferred_element_type` (operands stay in the compute dtype), sums by their
+# inputs' dtype.
+_MATMULS = frozenset({lax.dot_general_p, lax.conv_general_dilated_p})
+_SUMS = frozenset({lax.reduce_sum_p, lax.scatter_add_p})
+
+
+class _SumIn(Hook):
+    """Runs a pullback with its sums in `dtype`: matmuls accumulate and emit in it,
+    reductions and scatter-adds read it; ops that then meet two dtypes promote."""
+
+    def __init__(self, dtype: np.dtype):
+        self.dtype = dtype
+
+    def equation(self, eqn, invals, origins, frame, evaluate: Evaluate) -> list:
+        if eqn.primitive in _MATMULS:
+            return evaluate(invals, dict(eqn.params, preferred_element_type=self.dtype))
+        dtypes = {v.dtype for v in invals if is_floating_array(v)}
+        if eqn.primitive in _SUMS:
+            target = widest_dtype([self.dtype, *dtypes])
+        elif len(dtypes) > 1:
+            target = widest_dtype(dtypes)
+        else:
+            return evaluate(invals)
+        return evaluate(cast_to(invals, [target] * len(invals)), dict(eqn.params))
+
+
+def _pullback(
+    bind: Callable, operands: Sequence[Any], index: int, cotangent: Any, sum_in=None
+) -> Any:
+    """The cotangent of `operands[index]` for `bind(*operands)`, computed by JAX's
+    own transpose; with `sum_in`, its sums run in that dtype."""
+
+    def of_operand(operand):
+        return bind(*operands[:index], operand, *operands[index + 1 :])
+
+    def pullback(cotangent):
+        return jax.vjp(of_operand, operands[index])[1](cotangent)[0]
+
+    if sum_in is None:
+        return pullback(cotangent)
+    closed = jax.make_jaxpr(pullback)(cotangent)
+    return evaluate(closed, [cotangent], _SumIn(sum_in))[0][0]
+
+
+def reduced_operands(
+    eqn: Any, invals: Sequence[Any], origins: Sequence[Origin]
+) -> frozenset[int]:
+    """The operands of `eqn` whose gradient it sums over the data: floating operands
+    not computed from data (parameters, and the arrays a function closes over,
+    which reach the program as constants) of a summing op, of an op that broadcasts
+    them (a bias of shape `(1, n)` added to `(batch, n)`), or of any op that meets
+    data batched by `jax.vmap` (its transpose sums over the batch)."""
+    if eqn.primitive.multiple_results:
+        return frozenset()
+    weights = frozenset(
+        i
+        for i, (value, origin) in enumerate(zip(invals, origins))
+        if origin is not Origin.DATA and is_floating_array(value)
+    )
+    if not weights:
+        return frozenset()
+    if eqn.primitive in _SUMMING_OPS:
+        return weights
+    if Origin.DATA not in origins:
+        return frozenset()
+    out_shape = eqn.outvars[0].aval.shape
+    broadcast = any(eqn.invars[i].aval.shape != out_shape for i in weights)
+    if broadcast or any(map(compat.is_batched, invals)):
+        return weights
+    return frozenset()
+
+
+def bind_reducing_gradients(
+    eqn: Any,
+    invals: Sequence[Any],
+    weights: frozenset[int],
+    reduce_dtype: np.dtype,
+    params: dict | None = None,
+) -> list:
+    """Binds the first-order `eqn` on `invals`, with a derivative rule in which the
+    gradients of the operands in `weights` are summed in `reduce_dtype` (so that
+    GSPMD reduces them across devices in it) before they are returned in their
+    operand's dtype. The other gradients are JAX's own."""
+    params = compat.bind_params(eqn) if params is None else params
+
+    def bind(*operands):
+        return compat.bind(eqn, list(operands), params)[0]
+
+    op = _summing_gradients_in(bind, weights, reduce_dtype)
+    if any(map(compat.is_batched, invals)):
+        # Under `jax.vmap` (an Equinox model is vmapped over the batch), a
+        # custom_vjp would be batched as it is: one weight gradient per example,
+        # summed afterwards in the compute dtype. Batching the op itself instead
+        # (by JAX's own rule, which folds the batch axis into a matmul) keeps the
+        # sum over the batch inside the derivative rule. (`custom_vmap` cannot be
+        # differentiated unbatched, so it is used only here.)
+        op = _batched_by_jax(bind, op, weights, reduce_dtype)
+    return [op(*invals)]
+
+
+def _summing_gradients_in(
+    bind: Callable, weights: frozenset[int], reduce_dtype: np.dtype
+) -> Callable:
+    @jax.custom_vjp
+    def op(*operands):
+        return bind(*operands)
+
+    def forward(*operands):
+        return bind(*operands), operands
+
+    def backward(operands, cotangent):
+        grads = []
+        for i, operand in enumerate(operands):
+            if not is_floating_array(operand):
+                grads.append(None)
+                continue
+            sum_in = reduce_dtype if i in weights else None
+            grad = _pullback(bind, operands, i, cotangent, sum_in)
+            grads.append(grad.astype(operand.dtype))
+        return tuple(grads)
+
+    op.defvjp(forward, backward)
+    return op
+
+
+def _batched_by_jax(
+    bind: Callable, op: Callable, weights: frozenset[int], reduce_dtype: np.dtype
+) -> Callable:
+    @custom_vmap
+    def batchable(*operands):
+        return op(*operands)
+
+    @batchable.def_vmap
+    def batched(axis_size, in_batched, *operands):
+        in_axes = [0 if b else None for b in in_batched]
+        closed = jax.make_jaxpr(jax.vmap(bind, in_axes, axis_size=axis_size))(*operands)
+        origins = [
+            Origin.PARAMS if i in weights else Origin.DATA for i in range(len(operands))
+        ]
+        (out,), _ = evaluate(
+            closed, operands, ReduceInHook(reduce_dtype), origins=origins
+        )
+        return out, True
+
+    return batchable
+
+
+class ReduceInHook(Hook):
+    """Runs a program unchanged, except that the ops summing a parameter's gradient
+    over the data sum it in `reduce_dtype` (`filter_amp` and `BiModel` with a
+    `Policy.reduce_dtype` other than the compute dtype)."""
+
+    def __init__(self, reduce_dtype: np.dtype):
+        self.reduce_dtype = reduce_dtype
+
+    def equation(self, eqn, invals, origins, frame: Frame, evaluate: Evaluate):
+        weights = reduced_operands(eqn, invals, origins)
+        if not weights:
+            return evaluate(invals)
+        return bind_reducing_gradients(eqn, invals, weights, self.reduce_dtype)
+
+
+#
+# shard_map FSDP.
+#
+
+
+_NOTHING_SHARDED = (
+    "`gather_params` found no array in the tree that varies over the axis {axis!r}: "
+    "it gathers the leaves `jax.shard_map` types as differing per device, which are "
+    "the ones passed in with that axis in their `in_specs` (`P({axis!r})`), and "
+    "needs `check_vma=True` (the default) to see them."
+)
+
+
+def _gather_one(
+    leaf: Any,
+    axis_name: Hashable,
+    axis: int | None,
+    compute_dtype: np.dtype | None,
+    reduce_dtype: np.dtype,
+) -> Any:
+    """`leaf` cast to `compute_dtype` (if given) and gathered along `axis` (a shard)
+    or marked as varying over the axis (`axis=None`: a replicated leaf, which the
+    data it meets varies with). Its gradient is summed across the axis, by a
+    reduce-scatter or a psum, in `reduce_dtype` (or in the gradient's own dtype, if
+    that is wider)."""
+
+    def cast(x):
+        return x if compute_dtype is None else cast_leaf(x, compute_dtype)
+
+    if not is_floating_array(leaf):
+        return (
+            lax.all_gather(leaf, axis_name, axis=axis, tiled=True)
+            if axis is not None
+            else leaf
+        )
+
+    @jax.custom_vjp
+    def gather(leaf):
+        if axis is None:
+            return lax.pcast(cast(leaf), axis_name, to="varying")
+        return lax.all_gather(cast(leaf), axis_name, axis=axis, tiled=True)
+
+    def forward(leaf):
+        return gather(leaf), None
+
+    def backward(_, cotangent):
+        cotangent = cotangent.astype(
+            jax.numpy.promote_types(reduce_dtype, cotangent.dtype)
+        )
+        if axis is None:
+            summed = lax.psum(cotangent, axis_name)
+        else:
+            summed = lax.psum_scatter(
+                cotangent, axis_name, scatter_dimension=axis, tiled=True
+            )
+        return (summed.astype(leaf.dtype),)
+
+    gather.defvjp(forward, backward)
+    return gather(leaf)
+
+
+def gather_params(
+    shards: PyTree,
+    axis_name: Hashable,
+    *,
+    policy: Policy | str | None = None,
+    filter_spec: FilterSpec | None = None,
+    axis: int = 0,
+) -> PyTree:
+    """Gathers parameters sharded over a `jax.shard_map` axis (FSDP), casting them to
+    the compute dtype first, so that the all-gather moves half-precision bytes; their
+    gradients are summed back into shards with a reduce-scatter in the policy's
+    `reduce_dtype`.
+
+    **Arguments:**
+
+    - `shards`: a pytree (a model, or its arrays from `eqx.partition`) inside
+        `jax.shard_map`. Its leaves that vary over `axis_name` (passed in with
+        `P(axis_name)` in their `in_specs`) are gathered along `axis`; the others
+        are replicated: they are cast like the rest, and their gradients are summed
+        over the axis in the reduce dtype too (rather than by JAX's implicit psum
+        in the compute dtype).
+    - `axis_name`: the mesh axis the parameters are sharded over.
+    - `policy`: a `Policy` or policy string: floating leaves selected by
+        `filter_spec` are cast to its `compute_dtype` before the gather, and
+        gradients are reduced in its `reduce_dtype`. `None` means
+        `default_policy()`.
+    - `filter_spec`: which floating leaves are cast (as in `filter_amp`); `None`
+        means `default_filter_spec(shards)`: norm layers stay in their dtype.
+    - `axis`: the array axis the shards split.
+
+    **Returns:**
+
+    The gathered tree, with the structure and types of `shards`.
+
+    **Example:**
+
+    ```python
+    policy = eqx_amp.get_policy("mixed_bfloat16").with_reduce_dtype(jnp.float32)
+
+    @ft.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P("data")), out_specs=...)
+    def loss_fn(shards, tokens):
+        model = eqx.combine(eqx_amp.gather_params(shards, "data", policy=policy), static)
+        logits = jax.vmap(eqx_amp.filter_amp(model, policy=policy))(tokens)
+        return jax.lax.pmean(cross_entropy(logits, tokens), "data")
+    ```
+    """
+    check_axis_name(axis_name)
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"`axis` must be an int, but got {axis!r}.")
+    policy = resolve_policy(policy)
+    spec = default_filter_spec(shards) if filter_spec is None else filter_spec
+    mask = selection_mask(shards, spec)
+    leaves = [leaf for leaf in jtu.tree_leaves(shards) if eqx.is_array(leaf)]
+    with unbound_axis_name_error(axis_name):
+        varying = [axis_name in compat.varying_axes(leaf) for leaf in leaves]
+    if leaves and not any(varying):
+        raise ValueError(_NOTHING_SHARDED.format(axis=axis_name))
+
+    def gather(selected, leaf):
+        if not eqx.is_array(leaf):
+            return leaf
+        compute = policy.compute_dtype if selected else None
+        if axis_name not in compat.varying_axes(leaf):
+            return _gather_one(leaf, axis_name, None, compute, policy.reduce_dtype)
+        if not -leaf.ndim <= axis < leaf.ndim:
+            raise ValueError(
+                f"`axis={axis}` is out of range for a shard of shape {leaf.shape}."
+            )
+        return _gather_one(leaf, axis_name, axis, compute, policy.reduce_dtype)
+
+    return jtu.tree_map(gather, mask, shards)
