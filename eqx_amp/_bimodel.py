@@ -325,6 +325,7 @@ class BiModel(eqx.Module):
         has_aux: bool = False,
         redo_on_nan: int = 0,
         axis_name: Hashable | None = None,
+        average: bool = True,
     ) -> Callable:
         """`eqx_amp.filter_value_and_grad` with respect to the compute copy.
 
@@ -333,7 +334,7 @@ class BiModel(eqx.Module):
         - `fun`: a loss `fun(model, *args, **kwargs)`; `model` is this `BiModel`
             (call it like the original model). Gradients flow through its compute
             copy.
-        - `has_aux`, `redo_on_nan`, `axis_name`: as for
+        - `has_aux`, `redo_on_nan`, `axis_name`, `average`: as for
             `eqx_amp.filter_value_and_grad`.
 
         **Returns:**
@@ -353,7 +354,12 @@ class BiModel(eqx.Module):
         ```
         """
         check_callable(fun, "BiModel.value_and_grad")
-        options = dict(has_aux=has_aux, redo_on_nan=redo_on_nan, axis_name=axis_name)
+        options = dict(
+            has_aux=has_aux,
+            redo_on_nan=redo_on_nan,
+            axis_name=axis_name,
+            average=average,
+        )
         return self._on_compute(filter_value_and_grad, fun, options)
 
     def grad(
@@ -363,13 +369,19 @@ class BiModel(eqx.Module):
         has_aux: bool = False,
         redo_on_nan: int = 0,
         axis_name: Hashable | None = None,
+        average: bool = True,
     ) -> Callable:
         """`eqx_amp.filter_grad` with respect to the compute copy: `value_and_grad`
         without the value. The returned `g(*args, loss_scale, **kwargs)` gives
         `(grads, new_loss_scale, grads_finite)` (`((grads, aux), ...)` with
         `has_aux=True`)."""
         check_callable(fun, "BiModel.grad")
-        options = dict(has_aux=has_aux, redo_on_nan=redo_on_nan, axis_name=axis_name)
+        options = dict(
+            has_aux=has_aux,
+            redo_on_nan=redo_on_nan,
+            axis_name=axis_name,
+            average=average,
+        )
         return self._on_compute(filter_grad, fun, options)
 
     def _on_compute(

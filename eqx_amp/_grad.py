@@ -13,7 +13,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Float, PyTree
 
-from ._cast import at_least_float32
+from ._cast import at_least_float32, is_inexact_array
+from ._jaxpr import _compat as compat
 from ._loss_scale import (
     AbstractLossScale,
     all_finite,
@@ -94,6 +95,7 @@ def _value_and_scaled_grad(
     fun: Callable,
     has_aux: bool,
     axis_name: Hashable | None,
+    average: bool,
     x: PyTree,
     args: tuple,
     kwargs: dict,
@@ -112,12 +114,34 @@ def _value_and_scaled_grad(
         x, loss_scale
     )
     grads = loss_scale.unscale(grads)
-    if axis_name is not None:
+    if axis_name is not None and average:
+        _check_replicated(x, axis_name)
         with unbound_axis_name_error(axis_name):
             grads = jax.lax.pmean(grads, axis_name)
             value = jax.lax.pmean(value, axis_name)
     grads_finite = all_finite(grads, axis_name=axis_name)
     return value, aux, grads, grads_finite
+
+
+_AVERAGING_SHARDS = (
+    "`axis_name={axis!r}` averages the gradients over {axis!r}, as for parameters "
+    "every device holds whole, but `{path}` varies over {axis!r} (a shard: its "
+    "`in_specs` name the axis), so averaging would mix the gradients of different "
+    "parameters. Pass `average=False`: the check for finiteness is still agreed "
+    "across {axis!r}, and the gradients of sharded parameters are already summed "
+    "into their shards by the transpose of their gather (`eqx_amp.gather_params` "
+    "sums them in the policy's `reduce_dtype`)."
+)
+
+
+def _check_replicated(x: PyTree, axis_name: Hashable) -> None:
+    """Refuses to average the gradients of parameters `jax.shard_map` types as
+    differing per device: those are shards, not replicas."""
+    for path, leaf in jtu.tree_flatten_with_path(x)[0]:
+        if is_inexact_array(leaf) and axis_name in compat.varying_axes(leaf):
+            raise ValueError(
+                _AVERAGING_SHARDS.format(axis=axis_name, path=jtu.keystr(path))
+            )
 
 
 def _placeholder(struct: jax.ShapeDtypeStruct) -> Array:
@@ -187,6 +211,7 @@ class _ScaledValueAndGradWrapper(FunctionWrapper):
     _has_aux: bool = eqx.field(static=True)
     _redo_on_nan: int = eqx.field(static=True)
     _axis_name: Hashable | None = eqx.field(static=True)
+    _average: bool = eqx.field(static=True)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -216,6 +241,7 @@ class _ScaledValueAndGradWrapper(FunctionWrapper):
             self.fn,
             self._has_aux,
             self._axis_name,
+            self._average,
             x,
             tuple(args),
             kwargs,
@@ -286,9 +312,13 @@ def _signature_with_loss_scale(fun: Callable) -> inspect.Signature:
     return signature.replace(parameters=[*params, loss_scale, *var_keyword])
 
 
-def _check_options(has_aux: Any, redo_on_nan: Any, axis_name: Any) -> int:
+def _check_options(
+    has_aux: Any, redo_on_nan: Any, axis_name: Any, average: Any = True
+) -> int:
     if not isinstance(has_aux, bool | np.bool_):
         raise TypeError(f"`has_aux` must be a bool, but got {has_aux!r}.")
+    if not isinstance(average, bool | np.bool_):
+        raise TypeError(f"`average` must be a bool, but got {average!r}.")
     if isinstance(redo_on_nan, bool | np.bool_):
         raise TypeError("`redo_on_nan` must be a Python int, not a bool.")
     try:
@@ -317,6 +347,7 @@ def filter_value_and_grad(
     has_aux: Literal[False] = False,
     redo_on_nan: int = 0,
     axis_name: Hashable | None = None,
+    average: bool = True,
 ) -> Callable[
     [Callable[..., Float[Array, ""]]],
     Callable[
@@ -331,6 +362,7 @@ def filter_value_and_grad(
     has_aux: Literal[True],
     redo_on_nan: int = 0,
     axis_name: Hashable | None = None,
+    average: bool = True,
 ) -> Callable[
     [Callable[..., tuple[Float[Array, ""], Any]]],
     Callable[
@@ -351,6 +383,7 @@ def filter_value_and_grad(
     has_aux: Literal[False] = False,
     redo_on_nan: int = 0,
     axis_name: Hashable | None = None,
+    average: bool = True,
 ) -> Callable[
     ..., tuple[tuple[Float[Array, ""], _Grads], AbstractLossScale, Bool[Array, ""]]
 ]: ...
@@ -363,6 +396,7 @@ def filter_value_and_grad(
     has_aux: Literal[True],
     redo_on_nan: int = 0,
     axis_name: Hashable | None = None,
+    average: bool = True,
 ) -> Callable[
     ...,
     tuple[
@@ -377,6 +411,7 @@ def filter_value_and_grad(
     has_aux: bool = False,
     redo_on_nan: int = 0,
     axis_name: Hashable | None = None,
+    average: bool = True,
 ) -> Callable:
     """Like `eqx.filter_value_and_grad`, with loss scaling.
 
@@ -400,11 +435,16 @@ def filter_value_and_grad(
         `DynamicLossScale` at its `min_loss_scale`) would give the same result, so
         it stops there.
     - `axis_name`: the name of a mapped axis (of `jax.shard_map`, `jax.pmap` or a
-        named `jax.vmap`) to average over. The gradients and the loss are averaged
-        with `lax.pmean` over it before the finiteness check, and the check is agreed
-        across it, so every device takes (or skips) the step and adjusts the scale
-        identically. Parameters are assumed to be replicated over that axis (data
-        parallelism).
+        named `jax.vmap`). The finiteness check is agreed across it, so every device
+        takes (or skips) the step and adjusts the scale identically; and with
+        `average=True` the gradients and the loss are first averaged over it with
+        `lax.pmean` (data parallelism: every device holds the whole parameters).
+    - `average`: whether `axis_name` also averages the gradients and the loss.
+        `False` for gradients that are already reduced: parameters sharded over
+        the axis (FSDP under `jax.shard_map`, with `eqx_amp.gather_params`, whose
+        transpose sums each gradient into its shard). Averaging gradients that
+        `jax.shard_map` types as varying over the axis, shards, is refused with a
+        `ValueError`: it would mix different parameters' gradients.
 
     !!! info "Gradients under `jax.shard_map`"
 
@@ -457,13 +497,14 @@ def filter_value_and_grad(
         return model, opt_state, loss_scale, loss
     ```
     """
-    redo_on_nan = _check_options(has_aux, redo_on_nan, axis_name)
+    redo_on_nan = _check_options(has_aux, redo_on_nan, axis_name, average)
     if fun is _sentinel:
         return ft.partial(
             filter_value_and_grad,
             has_aux=has_aux,
             redo_on_nan=redo_on_nan,
             axis_name=axis_name,
+            average=average,
         )
     if not callable(fun):
         raise TypeError(
@@ -471,7 +512,9 @@ def filter_value_and_grad(
             "`filter_value_and_grad(fun, ...)` or "
             "`@filter_value_and_grad(has_aux=...)`."
         )
-    wrapper = _ScaledValueAndGradWrapper(fun, bool(has_aux), redo_on_nan, axis_name)
+    wrapper = _ScaledValueAndGradWrapper(
+        fun, bool(has_aux), redo_on_nan, axis_name, bool(average)
+    )
     return eqx.module_update_wrapper(wrapper)
 
 
@@ -481,6 +524,7 @@ def filter_grad(
     has_aux: bool = False,
     redo_on_nan: int = 0,
     axis_name: Hashable | None = None,
+    average: bool = True,
 ) -> Callable[[Callable], Callable]: ...
 
 
@@ -491,6 +535,7 @@ def filter_grad(
     has_aux: Literal[False] = False,
     redo_on_nan: int = 0,
     axis_name: Hashable | None = None,
+    average: bool = True,
 ) -> Callable[..., tuple[_Grads, AbstractLossScale, Bool[Array, ""]]]: ...
 
 
@@ -501,6 +546,7 @@ def filter_grad(
     has_aux: Literal[True],
     redo_on_nan: int = 0,
     axis_name: Hashable | None = None,
+    average: bool = True,
 ) -> Callable[..., tuple[tuple[_Grads, Any], AbstractLossScale, Bool[Array, ""]]]: ...
 
 
@@ -510,6 +556,7 @@ def filter_grad(
     has_aux: bool = False,
     redo_on_nan: int = 0,
     axis_name: Hashable | None = None,
+    average: bool = True,
 ) -> Callable:
     """Like `eqx.filter_grad`, with loss scaling: `eqx_amp.filter_value_and_grad`
     without the value.
@@ -532,12 +579,11 @@ def filter_grad(
     grads, loss_scale, grads_finite = grad_fn(model, x, y, loss_scale=loss_scale)
     ```
     """
-    redo_on_nan = _check_options(has_aux, redo_on_nan, axis_name)
-    if fun is _sentinel:
-        return ft.partial(
-            filter_grad, has_aux=has_aux, redo_on_nan=redo_on_nan, axis_name=axis_name
-        )
-    value_and_grad = filter_value_and_grad(
-        fun, has_aux=has_aux, redo_on_nan=redo_on_nan, axis_name=axis_name
+    redo_on_nan = _check_options(has_aux, redo_on_nan, axis_name, average)
+    options = dict(
+        has_aux=has_aux, redo_on_nan=redo_on_nan, axis_name=axis_name, average=average
     )
+    if fun is _sentinel:
+        return ft.partial(filter_grad, **options)
+    value_and_grad = filter_value_and_grad(fun, **options)
     return eqx.module_update_wrapper(_ScaledGradWrapper(value_and_grad, bool(has_aux)))

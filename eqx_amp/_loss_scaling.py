@@ -200,6 +200,7 @@ def scaled_value_and_grad(
     has_aux: bool = False,
     redo_on_nan: int = 0,
     axis_name: Hashable | None = None,
+    average: bool = True,
 ) -> Callable:
     """`eqx.filter_value_and_grad` with the loss scale of an optimizer wrapped by
     `eqx_amp.loss_scaling`: the loss is multiplied by the scale in `opt_state`, and
@@ -216,8 +217,10 @@ def scaled_value_and_grad(
         most this many more times, inside one `lax.while_loop` (compiled once).
         Then the new optimizer state, which carries the scale that worked, is
         returned too.
-    - `axis_name`: average the gradients and the loss over this mapped axis, and
-        agree on their finiteness, as in `eqx_amp.filter_value_and_grad`.
+    - `axis_name`, `average`: agree on the gradients' finiteness across this
+        mapped axis, and (unless `average=False`, for parameters sharded over it)
+        average the gradients and the loss over it, as in
+        `eqx_amp.filter_value_and_grad`.
 
     **Returns:**
 
@@ -236,7 +239,11 @@ def scaled_value_and_grad(
     check_callable(fun, "scaled_value_and_grad")
     _loss_scaling_state(opt_state)  # fails here, not at the first call
     value_and_grad = filter_value_and_grad(
-        fun, has_aux=has_aux, redo_on_nan=redo_on_nan, axis_name=axis_name
+        fun,
+        has_aux=has_aux,
+        redo_on_nan=redo_on_nan,
+        axis_name=axis_name,
+        average=average,
     )
     wrapper = _StateScaledValueAndGrad(value_and_grad, opt_state, redo_on_nan > 0)
     return eqx.module_update_wrapper(wrapper)
