@@ -33,6 +33,7 @@ from ._report import NonfiniteOp as NonfiniteOp
 from ._report import PrecisionReport as PrecisionReport
 from ._report import find_nonfinite as find_nonfinite
 from ._report import precision_report as precision_report
+from ._sharding import gather_params as gather_params
 
 
 try:

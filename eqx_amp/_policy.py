@@ -94,7 +94,7 @@ class Policy:
             if reduce_dtype is None
             else floating_dtype(reduce_dtype, "reduce_dtype")
         )
-        if jnp.promote_types(compute, reduce) != reduce:
+        if not _holds(reduce, compute):
             raise ValueError(
                 f"`reduce_dtype` must be the compute dtype ({compute.name}) or a wider "
                 f"floating dtype such as float32, but got {reduce.name}: gradients "
@@ -159,6 +159,18 @@ class Policy:
             f"compute_dtype={self.compute_dtype.name}, "
             f"output_dtype={self.output_dtype.name}{reduce})"
         )
+
+
+def _holds(wide: np.dtype, narrow: np.dtype) -> bool:
+    """Whether every value of `narrow` is a value of `wide`."""
+    if wide == narrow:
+        return True
+    wide_info, narrow_info = jnp.finfo(wide), jnp.finfo(narrow)
+    return (
+        wide_info.nmant >= narrow_info.nmant
+        and wide_info.maxexp >= narrow_info.maxexp
+        and wide_info.minexp <= narrow_info.minexp
+    )
 
 
 def get_policy(policy: str | Policy) -> Policy:

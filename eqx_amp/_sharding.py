@@ -210,10 +210,10 @@ class ReduceInHook(Hook):
 
 
 _NOTHING_SHARDED = (
-    "`gather_params` found no array in the tree that varies over the axis {axis!r}: "
-    "it gathers the leaves `jax.shard_map` types as differing per device, which are "
-    "the ones passed in with that axis in their `in_specs` (`P({axis!r})`), and "
-    "needs `check_vma=True` (the default) to see them."
+    "`gather_params` found no array in the tree that varies over the axis {axis!r}. "
+    "Without `specs`, it gathers the arrays `jax.shard_map` types as differing per "
+    "device (those passed in with {axis!r} in their `in_specs`), which needs "
+    "`check_vma=True` (the default); or pass `specs=`, the shards' `in_specs`."
 )
 
 
@@ -250,9 +250,7 @@ def _gather_one(
         return gather(leaf), None
 
     def backward(_, cotangent):
-        cotangent = cotangent.astype(
-            jax.numpy.promote_types(reduce_dtype, cotangent.dtype)
-        )
+        cotangent = cotangent.astype(widest_dtype([reduce_dtype, cotangent.dtype]))
         if axis is None:
             summed = lax.psum(cotangent, axis_name)
         else:
@@ -269,9 +267,9 @@ def gather_params(
     shards: PyTree,
     axis_name: Hashable,
     *,
+    specs: PyTree | None = None,
     policy: Policy | str | None = None,
     filter_spec: FilterSpec | None = None,
-    axis: int = 0,
 ) -> PyTree:
     """Gathers parameters sharded over a `jax.shard_map` axis (FSDP), casting them to
     the compute dtype first, so that the all-gather moves half-precision bytes; their
@@ -281,58 +279,113 @@ def gather_params(
     **Arguments:**
 
     - `shards`: a pytree (a model, or its arrays from `eqx.partition`) inside
-        `jax.shard_map`. Its leaves that vary over `axis_name` (passed in with
-        `P(axis_name)` in their `in_specs`) are gathered along `axis`; the others
-        are replicated: they are cast like the rest, and their gradients are summed
-        over the axis in the reduce dtype too (rather than by JAX's implicit psum
-        in the compute dtype).
+        `jax.shard_map`.
     - `axis_name`: the mesh axis the parameters are sharded over.
+    - `specs`: the `PartitionSpec`s the shards came in with (their `in_specs`, a
+        pytree prefix of `shards`): each array is gathered along the dimension whose
+        entry names `axis_name`. Arrays whose spec does not name it are replicated:
+        they are cast like the rest, and their gradients are summed over the axis
+        in the reduce dtype too (rather than by JAX's implicit psum in the compute
+        dtype). `None`: the arrays `jax.shard_map` types as varying over the axis
+        (which needs `check_vma=True`, the default) are gathered along their first
+        dimension.
     - `policy`: a `Policy` or policy string: floating leaves selected by
         `filter_spec` are cast to its `compute_dtype` before the gather, and
-        gradients are reduced in its `reduce_dtype`. `None` means
+        gradients are summed in its `reduce_dtype`. `None` means
         `default_policy()`.
     - `filter_spec`: which floating leaves are cast (as in `filter_amp`); `None`
         means `default_filter_spec(shards)`: norm layers stay in their dtype.
-    - `axis`: the array axis the shards split.
 
     **Returns:**
 
     The gathered tree, with the structure and types of `shards`.
+
+    **Raises:**
+
+    `ValueError` if nothing in `shards` is sharded over `axis_name`, or `specs` does
+    not fit `shards`; `NameError` if `axis_name` is not a mapped axis here.
 
     **Example:**
 
     ```python
     policy = eqx_amp.get_policy("mixed_bfloat16").with_reduce_dtype(jnp.float32)
 
-    @ft.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P("data")), out_specs=...)
+    @ft.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P("data")), out_specs=P())
     def loss_fn(shards, tokens):
-        model = eqx.combine(eqx_amp.gather_params(shards, "data", policy=policy), static)
+        model = eqx_amp.gather_params(shards, "data", specs=specs, policy=policy)
         logits = jax.vmap(eqx_amp.filter_amp(model, policy=policy))(tokens)
         return jax.lax.pmean(cross_entropy(logits, tokens), "data")
     ```
     """
     check_axis_name(axis_name)
-    if isinstance(axis, bool) or not isinstance(axis, int):
-        raise TypeError(f"`axis` must be an int, but got {axis!r}.")
     policy = resolve_policy(policy)
     spec = default_filter_spec(shards) if filter_spec is None else filter_spec
     mask = selection_mask(shards, spec)
-    leaves = [leaf for leaf in jtu.tree_leaves(shards) if eqx.is_array(leaf)]
-    with unbound_axis_name_error(axis_name):
-        varying = [axis_name in compat.varying_axes(leaf) for leaf in leaves]
-    if leaves and not any(varying):
-        raise ValueError(_NOTHING_SHARDED.format(axis=axis_name))
+    dims = _gathered_dims(shards, axis_name, specs)
 
-    def gather(selected, leaf):
+    def gather(selected, dim, leaf):
         if not eqx.is_array(leaf):
             return leaf
         compute = policy.compute_dtype if selected else None
-        if axis_name not in compat.varying_axes(leaf):
-            return _gather_one(leaf, axis_name, None, compute, policy.reduce_dtype)
-        if not -leaf.ndim <= axis < leaf.ndim:
-            raise ValueError(
-                f"`axis={axis}` is out of range for a shard of shape {leaf.shape}."
-            )
-        return _gather_one(leaf, axis_name, axis, compute, policy.reduce_dtype)
+        return _gather_one(leaf, axis_name, dim, compute, policy.reduce_dtype)
 
-    return jtu.tree_map(gather, mask, shards)
+    with unbound_axis_name_error(axis_name):
+        return jtu.tree_map(gather, mask, dims, shards)
+
+
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, jax.sharding.PartitionSpec)
+
+
+def _spec_dim(spec: Any, axis_name: Hashable, leaf: Any) -> int | None:
+    """The dimension of `leaf` that `spec` shards over `axis_name`, if any."""
+    if spec is None or not eqx.is_array(leaf):
+        return None
+    for dim, entry in enumerate(spec):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if axis_name in names:
+            if dim >= leaf.ndim:
+                raise ValueError(
+                    f"The spec {spec} names {axis_name!r} at dimension {dim}, but the "
+                    f"array it describes has shape {leaf.shape}."
+                )
+            return dim
+    return None
+
+
+def _gathered_dims(shards: PyTree, axis_name: Hashable, specs: PyTree | None):
+    """For each leaf of `shards`: the dimension to gather along, or `None`."""
+    if specs is None:
+        with unbound_axis_name_error(axis_name):
+            dims = jtu.tree_map(
+                lambda leaf: (
+                    0
+                    if eqx.is_array(leaf) and axis_name in compat.varying_axes(leaf)
+                    else None
+                ),
+                shards,
+            )
+        has_arrays = any(eqx.is_array(x) for x in jtu.tree_leaves(shards))
+        if has_arrays and all(d is None for d in jtu.tree_leaves(dims, is_leaf=_none)):
+            raise ValueError(_NOTHING_SHARDED.format(axis=axis_name))
+        return dims
+    try:
+        return jtu.tree_map(
+            lambda spec, subtree: jtu.tree_map(
+                lambda leaf: _spec_dim(spec, axis_name, leaf), subtree
+            ),
+            specs,
+            shards,
+            is_leaf=_is_spec,
+        )
+    except ValueError as error:
+        if "spec" in str(error):
+            raise
+        raise ValueError(
+            "`specs` must be a pytree prefix of `shards` whose leaves are "
+            f"`PartitionSpec`s or None (the shards' `in_specs`). JAX: {error}"
+        ) from None
+
+
+def _none(x: Any) -> bool:
+    return x is None

@@ -198,3 +198,56 @@ def test_using_policy_sets_the_default_where_calls_are_traced(getkey):
     with pytest.raises(ValueError, match=r"Unknown policy 'f17'"):
         with eqx_amp.using_policy("f17"):
             pass
+
+
+#
+# The gradient-reduction dtype.
+#
+
+
+def test_reduce_dtype_follows_compute_unless_chosen():
+    policy = eqx_amp.get_policy("mixed_bfloat16")
+    assert policy.reduce_dtype == BF16
+    assert str(policy) == "params=float32,compute=bfloat16,output=float32"
+    chosen = policy.with_reduce_dtype("f32")
+    assert chosen.reduce_dtype == F32
+    assert str(chosen) == "params=float32,compute=bfloat16,output=float32,reduce=float32"
+    assert repr(chosen).endswith("reduce_dtype=float32)")
+    assert eqx_amp.get_policy(str(chosen)) == chosen
+    assert eqx_amp.get_policy("c=bf16,o=f32,r=f32") == chosen
+    assert eqx_amp.get_policy("p=f32,c=bf16,o=f32,reduce=bf16") == policy
+    assert hash(policy.with_reduce_dtype(jnp.bfloat16)) == hash(policy)
+    # Chosen apart from the compute dtype, it stays when the compute dtype changes;
+    # left to follow it, it follows.
+    assert chosen.with_compute_dtype("f16").reduce_dtype == F32
+    assert policy.with_compute_dtype("f16").reduce_dtype == F16
+    assert chosen.with_reduce_dtype(None) == policy
+    assert eqx_amp.Policy(F32, F16, F32, reduce_dtype="float32").reduce_dtype == F32
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (
+            lambda: eqx_amp.get_policy("c=bf16,r=f16"),
+            r"`reduce_dtype` must be the compute dtype \(bfloat16\) or a wider .* "
+            r"but got float16",
+        ),
+        (
+            lambda: eqx_amp.get_policy("mixed_float16").with_reduce_dtype("bf16"),
+            r"`reduce_dtype` must be the compute dtype \(float16\).*but got bfloat16",
+        ),
+        (
+            lambda: eqx_amp.Policy(F32, F32, F32, reduce_dtype=jnp.int32),
+            r"`reduce_dtype` must be a real floating dtype.*but got int32",
+        ),
+        (lambda: eqx_amp.get_policy("c=bf16,r=wide"), r"Unknown dtype 'wide'"),
+        (
+            lambda: eqx_amp.get_policy("r=f32,reduce=f32"),
+            r"Key 'reduce' is given twice",
+        ),
+    ],
+)
+def test_reduce_dtype_errors(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()

@@ -1,0 +1,507 @@
+"""Sharded training steps: what mixed precision sends between devices.
+
+A small GPT's gradient step is compiled on 8 devices (8 simulated CPU devices where
+there is no accelerator), for float32, the hand-cast model and eqx_amp's three paths
+(`filter_amp`, `autocast`, `BiModel`), in bfloat16 and in float16 with loss scaling,
+on two meshes and with both of JAX's engines:
+
+- meshes: `fsdp`, the parameters sharded over 8 devices on one `data` axis; and
+  `fsdp_tp`, 4 `data` x 2 `model`, with Megatron-style tensor parallelism (query,
+  key, value and MLP-in projections split by output, output and MLP-out projections
+  split by input) over `model` and FSDP over `data`;
+- engines: `jit` (GSPMD: `jax.jit` over `NamedSharding`s) and `shard_map` (FSDP by
+  hand over `data` with `eqx_amp.gather_params`, the `model` axis left to GSPMD).
+
+For each it reads the program right after SPMD partitioning (XLA's dump of the
+`spmd-partitioning` pass: the CPU backend widens half-precision collectives later,
+so the compiled program would not show their dtype) and reports the collectives by
+kind and dtype, with their bytes (of each result), whether each reduction sums a
+parameter gradient (its shape is a parameter's), the gradient's error against the
+unsharded float32 step, whether the gradients keep the parameters' shardings, and
+the compiled memory per device.
+
+    python benchmarks/sharded.py                  # the table
+    python benchmarks/sharded.py --json out.json  # and every measurement
+    python benchmarks/run.py --preset sharded     # the same, from the suite
+"""
+
+import os
+import sys
+import tempfile
+
+
+_DUMP = tempfile.mkdtemp(prefix="eqx_amp_spmd_")
+# Both must be set before JAX is imported.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    _flags += " --xla_force_host_platform_device_count=8"
+_flags += f" --xla_dump_to={_DUMP} --xla_dump_hlo_pass_re=spmd-partitioning"
+# XLA's CPU backend widens half-precision all-reduces to float32 in a pass that
+# crashes on the all-reduces of a `shard_map` manual over some mesh axes only (the
+# `model` axis is left to GSPMD here); without it the CPU sums in the half dtype,
+# as accelerators do.
+_flags += " --xla_disable_hlo_passes=all-reduce-promotion"
+os.environ["XLA_FLAGS"] = _flags.strip()
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import dataclasses  # noqa: E402
+import functools as ft  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+
+_HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+sys.path.insert(1, str(_HERE.parent))  # the checkout's eqx_amp, installed or not
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import jax.random as jr  # noqa: E402
+import jax.tree_util as jtu  # noqa: E402
+import numpy as np  # noqa: E402
+from _models import GPT, cross_entropy  # noqa: E402
+from _variants import hand_cast  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import eqx_amp  # noqa: E402
+
+
+_HALF = {"bf16": jnp.bfloat16, "f16": jnp.float16}
+DATA, MODEL = "data", "model"
+MESHES = {"fsdp": (8, 1), "fsdp_tp": (4, 2)}
+ENGINES = ("jit", "shard_map")
+PATHS = ("filter_amp", "autocast", "bimodel")
+# Bytes of one element, by the dtype names XLA prints.
+_ITEMSIZE = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
+_COLLECTIVE = re.compile(
+    r"=\s*(?P<type>\(?[a-z0-9]+\[[^=]*?)\s"
+    r"(?P<kind>all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+    r"(?:-start)?\("
+)
+_SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    variant: str  # fp32, hand, filter_amp, autocast, bimodel
+    dtype: str  # f32, bf16, f16
+    reduce: str  # the reduce dtype asked for: "compute" or "f32"
+    mesh: str
+    engine: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}_{self.dtype}_{self.reduce}_{self.mesh}_{self.engine}"
+
+    @property
+    def policy(self) -> eqx_amp.Policy:
+        policy = eqx_amp.Policy(jnp.float32, _HALF[self.dtype], jnp.float32)
+        return policy.with_reduce_dtype(jnp.float32 if self.reduce == "f32" else None)
+
+
+def cases(quick: bool = False) -> list[Case]:
+    """Every case of the table; `quick` (the test suite's) asks bfloat16 for its
+    compute-dtype reduction and float16 for a float32 one."""
+    out = []
+    for mesh in MESHES:
+        for engine in ENGINES:
+            out.append(Case("fp32", "f32", "compute", mesh, engine))
+            for dtype in ("bf16", "f16"):
+                out.append(Case("hand", dtype, "compute", mesh, engine))
+                reduces = (
+                    ["compute" if dtype == "bf16" else "f32"]
+                    if quick
+                    else [
+                        "compute",
+                        "f32",
+                    ]
+                )
+                for path in PATHS:
+                    out += [Case(path, dtype, r, mesh, engine) for r in reduces]
+    return out
+
+
+#
+# The model and its shardings.
+#
+
+
+def make_model(key) -> GPT:
+    return GPT(vocab=64, width=64, depth=1, heads=4, seq=16, key=key)
+
+
+_COLUMN_PARALLEL = ("query_proj", "key_proj", "value_proj", "mlp_in")
+_ROW_PARALLEL = ("output_proj", "mlp_out")
+
+
+def param_spec(path: str, leaf, mesh: str) -> P:
+    """Where each parameter lives: FSDP over `data` and, on `fsdp_tp`, Megatron
+    tensor parallelism over `model` (a Linear's weight is `(out, in)`)."""
+    n_data = MESHES[mesh][0]
+    if mesh == "fsdp_tp":
+        layer = next((n for n in _COLUMN_PARALLEL + _ROW_PARALLEL if n in path), None)
+        if layer in _COLUMN_PARALLEL:
+            return P(MODEL, DATA) if path.endswith("weight") else P(MODEL)
+        if layer in _ROW_PARALLEL:
+            return P(DATA, MODEL) if path.endswith("weight") else P()
+    if leaf.ndim >= 1 and leaf.shape[0] % n_data == 0 and "norm" not in path:
+        return P(DATA)
+    return P()
+
+
+def data_only(spec: P) -> P:
+    """The `data` part of a spec: what a `shard_map` manual over `data` is told."""
+    return P(
+        *(
+            DATA if DATA in ((e,) if not isinstance(e, tuple) else e) else None
+            for e in spec
+        )
+    )
+
+
+def spec_tree(params, mesh: str):
+    return jtu.tree_map_with_path(
+        lambda path, leaf: param_spec(jtu.keystr(path), leaf, mesh), params
+    )
+
+
+#
+# The steps.
+#
+
+
+def _loss_scale(case: Case):
+    if case.dtype == "f16":
+        return eqx_amp.StaticLossScale(jnp.float32(2.0**10))
+    return eqx_amp.NoOpLossScale()
+
+
+def _forward(case: Case, model, tokens):
+    """Logits of `model` on a batch, as the case's variant runs it."""
+    inputs = tokens[:, :-1]
+    if case.variant in ("fp32", "bimodel"):
+        return jax.vmap(model)(inputs)
+    if case.variant == "hand":
+        return jax.vmap(hand_cast(model, _HALF[case.dtype]))(inputs)
+    if case.variant == "filter_amp":
+        return jax.vmap(eqx_amp.filter_amp(model, policy=case.policy))(inputs)
+    if case.variant == "autocast":
+        return eqx_amp.autocast(lambda m, x: jax.vmap(m)(x), policy=case.policy)(
+            model, inputs
+        )
+    raise ValueError(case.variant)
+
+
+def _hand_gather(shards, dims, dtype):
+    """The hand-cast FSDP gather: cast (norm layers excepted) and all-gather."""
+    cast = hand_cast_params(shards, dtype)
+    return jtu.tree_map(
+        lambda dim, x: (
+            x if dim is None else jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
+        ),
+        dims,
+        cast,
+        is_leaf=lambda d: d is None,
+    )
+
+
+def hand_cast_params(params, dtype):
+    spec = eqx_amp.default_filter_spec(params)
+    return jtu.tree_map(
+        lambda keep, x: x.astype(dtype) if keep and eqx.is_inexact_array(x) else x,
+        spec,
+        params,
+    )
+
+
+def build_step(case: Case, static, mesh) -> Callable:
+    """`step(params, tokens) -> grads` for the case's engine."""
+    loss_scale = _loss_scale(case)
+
+    def loss(params, tokens):
+        return cross_entropy(
+            _forward(case, eqx.combine(params, static), tokens), tokens[:, 1:]
+        )
+
+    if case.engine == "jit":
+        if case.variant == "bimodel":
+
+            def step(params, tokens):
+                bimodel = eqx_amp.BiModel(
+                    eqx.combine(params, static), policy=case.policy
+                )
+                (_, grads), *_ = bimodel.value_and_grad(
+                    lambda m, t: cross_entropy(jax.vmap(m)(t[:, :-1]), t[:, 1:])
+                )(tokens, loss_scale=loss_scale)
+                return eqx.filter(grads, eqx.is_inexact_array)
+
+            return step
+
+        def step(params, tokens):
+            (_, grads), *_ = eqx_amp.filter_value_and_grad(loss)(
+                params, tokens, loss_scale=loss_scale
+            )
+            return grads
+
+        return step
+
+    def local_loss(shards, tokens, specs):
+        if case.variant in ("fp32", "hand"):
+            dims = jtu.tree_map(
+                lambda s, x: next((i for i, e in enumerate(s) if e == DATA), None),
+                specs,
+                shards,
+                is_leaf=lambda s: isinstance(s, P),
+            )
+            dtype = jnp.float32 if case.variant == "fp32" else _HALF[case.dtype]
+            params = _hand_gather(shards, dims, dtype)
+        else:
+            params = eqx_amp.gather_params(
+                shards, DATA, specs=specs, policy=case.policy
+            )
+        return jax.lax.pmean(loss(params, tokens), DATA)
+
+    def sharded_step(shards, tokens, specs):
+        if case.variant == "bimodel":
+            # FSDP of a BiModel: differentiate with respect to its compute copy's
+            # shards, which the gather casts no further.
+            shards = eqx_amp.BiModel(eqx.combine(shards, static), policy=case.policy)
+            shards = eqx.filter(shards.compute, eqx.is_inexact_array)
+        (_, grads), *_ = eqx_amp.filter_value_and_grad(
+            ft.partial(local_loss, specs=specs), axis_name=DATA, average=False
+        )(shards, tokens, loss_scale=loss_scale)
+        return grads
+
+    return sharded_step
+
+
+#
+# Reading the partitioned program.
+#
+
+
+def partitioned_hlo(name: str) -> str:
+    files = sorted(glob.glob(f"{_DUMP}/*jit_{name}*after_spmd-partitioning*.txt"))
+    if not files:
+        raise RuntimeError(f"no SPMD-partitioned dump for {name} in {_DUMP}")
+    return pathlib.Path(files[-1]).read_text()
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_DEFINITION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\((.*?)\)"
+)
+# Ops that move a parameter without computing from it.
+_PASS_THROUGH = {"convert", "copy", "bitcast", "reshape", "transpose", "custom-call"}
+
+
+def _reaches_parameter(name: str, defs: dict) -> bool:
+    """Whether `name` is an entry parameter, possibly converted or reshaped."""
+    seen = set()
+    while name in defs and name not in seen:
+        seen.add(name)
+        opcode, operands = defs[name]
+        if opcode == "parameter":
+            return True
+        if opcode not in _PASS_THROUGH or not operands:
+            return False
+        name = operands[0]
+    return False
+
+
+def collectives(text: str, param_shapes: set[tuple[int, ...]]) -> list[dict]:
+    """Every collective of a partitioned program: its kind, dtype and bytes (of its
+    result), and its group: `param_gather` (an all-gather of a parameter, cast or
+    not), `grad_reduce` (a collective of the backward pass whose result has the
+    shape of a parameter or of a piece of one: the gradients' reductions and the
+    gathers GSPMD adds to reshard them) or `other` (activations)."""
+    defs = {}
+    for line in text.splitlines():
+        match = _DEFINITION.match(line)
+        if match:
+            defs[match[1]] = (match[2], re.findall(r"%([\w.\-]+)", match[3]))
+    found = []
+    for line in text.splitlines():
+        match = _COLLECTIVE.search(line)
+        if not match:
+            continue
+        op_name = _OP_NAME.search(line)
+        backward = op_name is not None and "transpose(" in op_name.group(1)
+        definition = _DEFINITION.match(line)
+        operands = defs[definition[1]][1] if definition else []
+        for dtype, dims in _SHAPE.findall(match["type"]):
+            shape = tuple(int(d) for d in dims.split(",") if d)
+            if (
+                match["kind"] == "all-gather"
+                and operands
+                and _reaches_parameter(operands[0], defs)
+            ):
+                group = "param_gather"
+            elif backward and shape in param_shapes:
+                group = "grad_reduce"
+            else:
+                group = "other"
+            found.append(
+                {
+                    "kind": match["kind"],
+                    "dtype": dtype,
+                    "bytes": int(np.prod(shape, dtype=np.int64))
+                    * _ITEMSIZE.get(dtype, 4),
+                    "group": group,
+                }
+            )
+    return found
+
+
+def summarise(found: list[dict]) -> dict:
+    """Bytes by group and dtype."""
+    table = collections.defaultdict(collections.Counter)
+    for c in found:
+        table[c["group"]][c["dtype"]] += c["bytes"]
+    return {group: dict(by_dtype) for group, by_dtype in table.items()}
+
+
+def piece_shapes(shape: tuple[int, ...], mesh: str) -> set[tuple[int, ...]]:
+    """`shape` with any of its dimensions split over any of the mesh's axes."""
+    n_data, n_model = MESHES[mesh]
+    splits = {1, n_data, n_model, n_data * n_model}
+    pieces = {()}
+    for size in shape:
+        pieces = {p + (size // k,) for p in pieces for k in splits if size % k == 0}
+    return pieces
+
+
+def _rel_error(a, b) -> float:
+    flat = lambda t: np.concatenate(  # noqa: E731
+        [np.ravel(np.asarray(x, np.float32)) for x in jtu.tree_leaves(t)]
+    )
+    x, y = flat(a), flat(b)
+    return float(np.linalg.norm(x - y) / (np.linalg.norm(y) + 1e-30))
+
+
+def measure(case: Case, model, tokens, reference) -> dict:
+    mesh = jax.make_mesh(
+        MESHES[case.mesh], (DATA, MODEL), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    specs = spec_tree(params, case.mesh)
+    shardings = jtu.tree_map(lambda s: NamedSharding(mesh, s), specs)
+    params = jax.device_put(params, shardings)
+    tokens = jax.device_put(tokens, NamedSharding(mesh, P(DATA)))
+    step = build_step(case, static, mesh)
+    if case.engine == "shard_map":
+        manual = jtu.tree_map(data_only, specs, is_leaf=lambda s: isinstance(s, P))
+        step = jax.shard_map(
+            ft.partial(step, specs=manual),
+            mesh=mesh,
+            in_specs=(manual, P(DATA)),
+            out_specs=manual,
+            axis_names={DATA},
+        )
+    named = ft.wraps(step)(lambda p, t: step(p, t))
+    named.__name__ = named.__qualname__ = f"step_{case.name}"
+    compiled = jax.jit(named).lower(params, tokens).compile()
+    grads = compiled(params, tokens)
+    shapes = set().union(
+        *(piece_shapes(x.shape, case.mesh) for x in jtu.tree_leaves(params))
+    )
+    found = collectives(partitioned_hlo(named.__name__), shapes)
+    memory = compiled.memory_analysis()
+    per_device = (
+        None
+        if memory is None
+        else int(
+            memory.temp_size_in_bytes
+            + memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+        )
+    )
+    return {
+        **dataclasses.asdict(case),
+        "name": case.name,
+        "collectives": summarise(found),
+        "grad_error": _rel_error(grads, reference),
+        # Where GSPMD put each gradient (the step does not constrain them).
+        "grad_shardings": [str(g.sharding.spec) for g in jtu.tree_leaves(grads)],
+        "memory_per_device": per_device,
+    }
+
+
+def run(quick: bool = False) -> list[dict]:
+    key_model, key_data = jr.split(jr.key(0))
+    model = make_model(key_model)
+    tokens = jr.randint(key_data, (16, 17), 0, 64)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def reference_loss(p):
+        return cross_entropy(
+            jax.vmap(eqx.combine(p, static))(tokens[:, :-1]), tokens[:, 1:]
+        )
+
+    reference = jax.jit(jax.grad(reference_loss))(params)
+    rows = []
+    for case in cases(quick):
+        print("measuring", case.name, file=sys.stderr, flush=True)
+        rows.append(measure(case, model, tokens, reference))
+    return rows
+
+
+def _fmt_bytes(by_dtype: dict | None) -> str:
+    if not by_dtype:
+        return "-"
+    return " ".join(f"{d}:{b / 1024:.1f}K" for d, b in sorted(by_dtype.items()))
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| variant | dtype | reduce | mesh | engine | all-gather | gradient reductions "
+        "| other collectives | grad error vs f32 | memory/device |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = r["collectives"]
+        memory = (
+            "-"
+            if r["memory_per_device"] is None
+            else f"{r['memory_per_device'] / 2**20:.2f} MiB"
+        )
+        lines.append(
+            f"| {r['variant']} | {r['dtype']} | {r['reduce']} | {r['mesh']} | "
+            f"{r['engine']} | {_fmt_bytes(c.get('param_gather'))} | "
+            f"{_fmt_bytes(c.get('grad_reduce'))} | {_fmt_bytes(c.get('other'))} | "
+            f"{r['grad_error']:.2e} | {memory} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the test suite's cases")
+    parser.add_argument(
+        "--json", help="write every measurement to this file ('-': stdout)"
+    )
+    args = parser.parse_args(argv)
+    devices = jax.devices()
+    if len(devices) < 8:
+        sys.exit(
+            f"The sharded preset needs 8 devices; this machine has {len(devices)} "
+            f"{devices[0].platform} device(s). On CPU it simulates 8."
+        )
+    rows = run(args.quick)
+    if args.json == "-":
+        print(json.dumps(rows))
+        return
+    print(f"{len(devices)} x {devices[0].device_kind}, jax {jax.__version__}")
+    print(markdown(rows))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
