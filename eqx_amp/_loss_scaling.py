@@ -103,9 +103,18 @@ def loss_scaling(
     inner = optax.with_extra_args_support(optimizer)
 
     def init_fn(params):
-        zero = jnp.zeros((), jnp.int32)
+        # Every leaf its own buffer, and none shared with `loss_scale` or with
+        # another state: a training step that donates its optimizer state would
+        # otherwise donate one buffer twice, or delete another state's.
+        own_scale = jtu.tree_map(
+            lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, loss_scale
+        )
         return LossScalingState(
-            inner.init(params), loss_scale, zero, zero, jnp.asarray(True)
+            inner.init(params),
+            own_scale,
+            jnp.zeros((), jnp.int32),
+            jnp.zeros((), jnp.int32),
+            jnp.asarray(True),
         )
 
     def update_fn(grads, state, params=None, **extra_args):

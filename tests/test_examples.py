@@ -5,6 +5,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 
@@ -79,3 +80,19 @@ def test_bimodel_transformer():
     assert "variant  | train loss | val loss | step memory | saved activations" in out
     assert "gradient tree 0.5" in out  # the float16 gradient tree is about half
     assert "bimodel/fp32: val loss" in out
+
+
+def test_fsdp_trains_on_a_two_dimensional_mesh():
+    out = _run_example(
+        "fsdp.py",
+        *("--steps", "6", "--dim", "32", "--layers", "2", "--batch", "16"),
+        *("--block", "16", "--dtype", "float16", "--reduce-dtype", "float32"),
+    )
+    assert "8 x cpu as 4 data x 2 model" in out
+    assert "reduce=float32" in out
+    rows = [line for line in out.splitlines() if line.startswith(("| fp32", "| amp"))]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[-1] == "True"  # the weights kept their shardings
+        assert np.isfinite(float(cells[1])) and np.isfinite(float(cells[2]))

@@ -1,6 +1,7 @@
 """`loss_scaling` and `scaled_value_and_grad`: loss scaling kept in the optimizer."""
 
 import difflib
+import functools as ft
 import pathlib
 import re
 
@@ -187,3 +188,28 @@ def test_bad_inputs(getkey):
         TypeError, match=r"must be the `LossScalingState` its `init` made"
     ):
         optim.update(params, plain_state, params)
+
+
+def test_states_own_their_buffers_so_steps_can_donate_them(getkey):
+    """Two leaves of one state sharing a buffer (or a state sharing one with the
+    loss scale it was given) break a step that donates the optimizer state."""
+    model = eqx.nn.Linear(3, 2, key=getkey())
+    optimizer = eqx_amp.loss_scaling(optax.sgd(0.1))
+    first, second = optimizer.init(model), optimizer.init(model)
+    leaves = [x for x in jax.tree_util.tree_leaves((first, second)) if eqx.is_array(x)]
+    pointers = [x.unsafe_buffer_pointer() for x in leaves]
+    assert len(set(pointers)) == len(pointers)
+
+    @ft.partial(eqx.filter_jit, donate="all")
+    def step(model, opt_state, x):
+        loss, grads = eqx_amp.scaled_value_and_grad(
+            lambda m, x: jnp.sum(m(x) ** 2), opt_state
+        )(model, x)
+        updates, opt_state = optimizer.update(grads, opt_state, model)
+        return eqx.apply_updates(model, updates), opt_state
+
+    x = jnp.ones(3)
+    for _ in range(2):
+        model, first = step(model, first, x)
+    # The other state was not touched by the donations.
+    assert int(second.notfinite_count) == 0

@@ -67,7 +67,9 @@ def _filter_amp(policy):
 
 
 def _filter_amp_outside_vmap(policy):
-    return lambda m, t: _loss(eqx_amp.filter_amp(eqx.filter_vmap(m), policy=policy)(t), t)
+    return lambda m, t: _loss(
+        eqx_amp.filter_amp(eqx.filter_vmap(m), policy=policy)(t), t
+    )
 
 
 def _autocast(policy):
