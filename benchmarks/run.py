@@ -3,6 +3,7 @@ against float32, a hand-cast bfloat16 model and the peer libraries.
 
     python benchmarks/run.py                         # the CPU preset, a few minutes
     python benchmarks/run.py --preset gpu            # GPT-2 small + a ResNet, on a GPU
+    python benchmarks/run.py --preset sharded        # collectives of FSDP/TP steps
     python benchmarks/run.py --models gpt --variants fp32,hand_bf16,filter_amp_bf16
     python benchmarks/run.py --json results.json --markdown table.md
 
@@ -498,8 +499,10 @@ def main(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     backend = jax.default_backend()
-    parser.add_argument("--preset", choices=sorted(PRESETS),
-                        default="gpu" if backend == "gpu" else "cpu")  # fmt: skip
+    parser.add_argument("--preset", choices=sorted(PRESETS) + ["sharded"],
+                        default="gpu" if backend == "gpu" else "cpu",
+                        help="`sharded`: benchmarks/sharded.py (collectives on 8 "
+                        "devices), in its own process")  # fmt: skip
     parser.add_argument("--models", default="gpt,cnn", help="comma-separated: gpt, cnn")
     parser.add_argument("--variants", default="default",
                         help="comma-separated names, or default / eqx_amp / all")  # fmt: skip
@@ -516,6 +519,13 @@ def main(argv=None):
                         "each variant differs from --reference (no compilation)")
     parser.add_argument("--reference", default="hand_bf16", choices=sorted(VARIANTS))
     args = parser.parse_args(argv)
+    if args.preset == "sharded":
+        # It sets XLA's flags (8 CPU devices, the SPMD dump) before importing JAX,
+        # which this process has already done.
+        command = [sys.executable, str(_HERE / "sharded.py")]
+        if args.json:
+            command += ["--json", str(args.json)]
+        sys.exit(subprocess.run(command).returncode)
     args.steps = STEPS[args.preset] if args.steps is None else max(2, args.steps)
     args.repeats = REPEATS[args.preset] if args.repeats is None else max(1, args.repeats)
     variants = [VARIANTS[n] for n in parse_variants(args.variants)]

@@ -10,6 +10,8 @@ reduce-scatter that transposes the gather of the parameters, so `gather_params`
 casts before it gathers and reduces in the chosen dtype.
 """
 
+import functools as ft
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -24,7 +26,15 @@ from jaxtyping import PyTree
 from ._cast import cast_leaf, is_floating_array, widest_dtype
 from ._filters import FilterSpec, default_filter_spec, selection_mask
 from ._jaxpr import _compat as compat
-from ._jaxpr._evaluate import Evaluate, Frame, Hook, Origin, cast_to, evaluate
+from ._jaxpr._evaluate import (
+    Evaluate,
+    Frame,
+    Hook,
+    Origin,
+    cast_to,
+    evaluate,
+    is_higher_order,
+)
 from ._loss_scale import check_axis_name, unbound_axis_name_error
 from ._policy import Policy, resolve_policy
 
@@ -57,6 +67,11 @@ class _SumIn(Hook):
 
     def equation(self, eqn, invals, origins, frame, evaluate: Evaluate) -> list:
         if eqn.primitive in _MATMULS:
+            if jax.default_backend() == "cpu":
+                # XLA's CPU runtime has no half x half -> float32 matmul (it runs
+                # half matmuls in float32 anyway); float32 operands holding the
+                # half values give the same products and sums.
+                invals = cast_to(invals, [self.dtype] * len(invals))
             return evaluate(invals, dict(eqn.params, preferred_element_type=self.dtype))
         dtypes = {v.dtype for v in invals if is_floating_array(v)}
         if eqn.primitive in _SUMS:
@@ -189,6 +204,32 @@ def _batched_by_jax(
     return batchable
 
 
+_BATCHED_AFTER_TRACING = (
+    "A `Policy.reduce_dtype` is set, and this `{name}` runs under a `jax.vmap` applied "
+    "outside `filter_amp`/`autocast`: JAX batches its body after eqx_amp has traced "
+    "it, so the parameter gradients inside are computed per example and then summed "
+    "(right, but with the batch's times the work and memory). Apply the wrapper "
+    "outside the vmap instead: `eqx_amp.filter_amp(eqx.filter_vmap(model))(x)` or "
+    "`eqx_amp.autocast(eqx.filter_vmap(model))(x)`."
+)
+
+
+def warn_if_batched_after_tracing(eqn: Any, invals: Sequence[Any], origins) -> None:
+    """Says when a higher-order primitive holding parameters will be batched by a
+    `jax.vmap` outside: the derivative rules inside it would be batched per example."""
+    if (
+        is_higher_order(eqn)
+        and Origin.PARAMS in origins
+        and any(map(compat.is_batched, invals))
+    ):
+        _warn_once(str(eqn.primitive))
+
+
+@ft.cache
+def _warn_once(name: str) -> None:
+    warnings.warn(_BATCHED_AFTER_TRACING.format(name=name), stacklevel=8)
+
+
 class ReduceInHook(Hook):
     """Runs a program unchanged, except that the ops summing a parameter's gradient
     over the data sum it in `reduce_dtype` (`filter_amp` and `BiModel` with a
@@ -198,6 +239,7 @@ class ReduceInHook(Hook):
         self.reduce_dtype = reduce_dtype
 
     def equation(self, eqn, invals, origins, frame: Frame, evaluate: Evaluate):
+        warn_if_batched_after_tracing(eqn, invals, origins)
         weights = reduced_operands(eqn, invals, origins)
         if not weights:
             return evaluate(invals)

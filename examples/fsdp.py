@@ -14,7 +14,8 @@ otherwise). JAX's own engine does the parallelism: `jax.jit` over `NamedSharding
   only one block's gathered weights (and its saved activations) exist at a time,
   which is what keeps FSDP's memory per device low.
 
-Mixed precision is one wrapper: `eqx_amp.filter_amp(model, policy=policy)`. The
+Mixed precision is one wrapper: `eqx_amp.filter_amp(eqx.filter_vmap(model),
+policy=policy)`. The
 weights are cast *before* XLA gathers them, so the all-gathers move half the bytes,
 and `policy.reduce_dtype` chooses the dtype the gradients are summed across devices
 in (`--reduce-dtype float32`: as PyTorch FSDP's `reduce_dtype`). With `--dtype
@@ -197,15 +198,23 @@ def cross_entropy(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
+def forward(policy, params, static, inputs):
+    """The logits of a batch; `policy=None` is float32. `filter_amp` wraps the
+    batched model (not the other way round): the blocks are scanned and
+    rematerialised, and a `jax.vmap` outside `filter_amp` would batch those
+    bodies after eqx_amp traced them, which a `reduce_dtype` cannot see into."""
+    model = eqx.filter_vmap(eqx.combine(params, static))
+    if policy is not None:
+        model = eqx_amp.filter_amp(model, policy=policy)
+    return model(inputs)
+
+
 def make_step(policy: eqx_amp.Policy | None, optimizer, shardings):
     """One training step. `policy=None` is the float32 baseline."""
     scaled = policy is not None and policy.compute_dtype == jnp.float16
 
     def loss_fn(params, static, inputs, targets):
-        model = eqx.combine(params, static)
-        if policy is not None:
-            model = eqx_amp.filter_amp(model, policy=policy)
-        return cross_entropy(jax.vmap(model)(inputs), targets)
+        return cross_entropy(forward(policy, params, static, inputs), targets)
 
     def step(params, opt_state, static, inputs, targets):
         if scaled:
@@ -272,10 +281,7 @@ def train(name, policy, args, mesh, vocab, train_ids, val_ids):
 
     @ft.partial(jax.jit, static_argnums=1)
     def val_loss(params, static, inputs, targets):
-        model = eqx.combine(params, static)
-        if policy is not None:
-            model = eqx_amp.filter_amp(model, policy=policy)
-        return cross_entropy(jax.vmap(model)(inputs), targets)
+        return cross_entropy(forward(policy, params, static, inputs), targets)
 
     val = [
         float(val_loss(params, static, *put_batch(i, t, batch_sharding)))

@@ -99,11 +99,12 @@ def run_on_eight_devices(script: str) -> dict:
     return _run_eight_devices([str(root / "tests" / script)])
 
 
-def run_script_on_eight_devices(source: str) -> dict:
-    """Runs Python `source` on 8 fake CPU devices, with strict dtype promotion, and
-    returns the dict it leaves in a variable named `report`."""
+def run_script_on_eight_devices(source: str, promotion: str = "strict") -> dict:
+    """Runs Python `source` on 8 fake CPU devices, with the given dtype promotion
+    (strict by default; "standard" for user code with optax), and returns the dict it
+    leaves in a variable named `report`."""
     program = (
-        'import jax\njax.config.update("jax_numpy_dtype_promotion", "strict")\n'
+        f'import jax\njax.config.update("jax_numpy_dtype_promotion", "{promotion}")\n'
         + source
         + "\nimport json\nprint(json.dumps(report))\n"
     )

@@ -5,6 +5,7 @@ steps on 8 devices read from the program right after SPMD partitioning."""
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -100,18 +101,42 @@ def _weight_shapes(model):
 def _gradient_sums(jaxpr, shapes):
     """The ops of a gradient program that sum a parameter's gradient: matmuls,
     reductions and scatter-adds whose output has a parameter's shape (or its
-    transpose), with their input and output dtypes."""
+    transpose), with the dtypes their inputs had before any convert right in front
+    (the CPU runtime has no half x half -> float32 matmul, so there eqx_amp feeds it
+    float32 operands that hold the half values), and their output dtype."""
     shapes = shapes | {s[::-1] for s in shapes}
     found = []
-    for eqn, _ in walk_eqns(jaxpr):
-        name = eqn.primitive.name
-        if name not in ("dot_general", "reduce_sum", "scatter-add", "scatter_add"):
-            continue
-        out = eqn.outvars[0].aval
-        if tuple(out.shape) in shapes and len(out.shape) >= 1:
-            ins = [v.aval.dtype for v in eqn.invars if hasattr(v.aval, "dtype")]
-            found.append((name, tuple(out.shape), ins, out.dtype))
+    for sub in _jaxprs(jaxpr):
+        made_by = {v: e for e in sub.eqns for v in e.outvars}
+
+        def source_dtype(var):
+            eqn = made_by.get(var)
+            if eqn is not None and eqn.primitive.name == "convert_element_type":
+                return eqn.invars[0].aval.dtype
+            return var.aval.dtype
+
+        for eqn in sub.eqns:
+            name = eqn.primitive.name
+            if name not in ("dot_general", "reduce_sum", "scatter-add", "scatter_add"):
+                continue
+            out = eqn.outvars[0].aval
+            if tuple(out.shape) in shapes and len(out.shape) >= 1:
+                ins = [source_dtype(v) for v in eqn.invars if hasattr(v.aval, "dtype")]
+                found.append((name, tuple(out.shape), ins, out.dtype))
     return found
+
+
+def _jaxprs(jaxpr):
+    """`jaxpr` and every jaxpr nested in it."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    yield jaxpr
+    for eqn in jaxpr.eqns:
+        for value in eqn.params.values():
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            for v in values:
+                inner = getattr(v, "jaxpr", v)
+                if hasattr(inner, "eqns"):
+                    yield from _jaxprs(inner)
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -463,3 +488,118 @@ report = {
 """
     )
     assert report == {"all_reduces": 1, "finite": True, "with_inf": False}
+
+
+def test_a_vmap_outside_the_wrapper_of_a_scanned_model_is_named(getkey):
+    """Under a `jax.vmap` applied outside `filter_amp`, JAX batches a scan body after
+    eqx_amp traced it: the gradients inside are per example, and the user is told
+    how to put the wrapper outside. Outside, they are one contraction."""
+    layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(
+        jr.split(getkey(), 2)
+    )
+    params, static = eqx.partition(layers, eqx.is_array)
+
+    class Stack(eqx.Module):
+        params: eqx.nn.Linear
+
+        def __call__(self, x):
+            def block(h, p):
+                return jnp.tanh(eqx.combine(p, static)(h)), None
+
+            return jax.lax.scan(block, x, self.params)[0]
+
+    model, x = Stack(params), jr.normal(getkey(), (4, 8))
+
+    def inside(m):
+        return jnp.sum(jax.vmap(eqx_amp.filter_amp(m, policy=BF16_F32_REDUCE))(x))
+
+    def outside(m):
+        return jnp.sum(
+            eqx_amp.filter_amp(eqx.filter_vmap(m), policy=BF16_F32_REDUCE)(x)
+        )
+
+    with pytest.warns(
+        UserWarning, match=r"this `scan` runs under a `jax.vmap` applied"
+    ):
+        eqx.filter_grad(inside)(model)
+    jaxpr = eqx.filter_make_jaxpr(eqx.filter_grad(outside))(model)[0]
+    weight_grads = [
+        e.outvars[0].aval.shape
+        for e, _ in walk_eqns(jaxpr)
+        if e.primitive.name == "dot_general" and e.outvars[0].aval.shape[-2:] == (8, 8)
+    ]
+    assert weight_grads and all(len(s) == 2 for s in weight_grads)
+    assert (
+        global_rel_error(
+            eqx.filter_grad(inside)(model), eqx.filter_grad(outside)(model)
+        )
+        < 1e-2
+    )
+
+
+def test_readme_multi_device_section_runs_on_eight_devices():
+    """The Python blocks of the README's multi-device section run as written (with
+    optax, under JAX's default promotion, as a user would)."""
+    text = (REPO_ROOT / "README.md").read_text()
+    heading = "## Beyond one device:"
+    assert heading in text
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    assert len(blocks) >= 3
+    prelude = (
+        "import equinox as eqx\nimport jax.numpy as jnp\nimport optax\nimport eqx_amp\n"
+    )
+    report = run_script_on_eight_devices(
+        prelude
+        + "\n".join(blocks)
+        + """
+import numpy as np
+report = {
+    "devices": jax.device_count(),
+    "loss": float(loss),
+    "finite": bool(finite),
+    "grad_dtypes": sorted({str(g.dtype) for g in jax.tree.leaves(grads)}),
+    "sharded": [str(p.sharding.spec) for p in jax.tree.leaves(params)],
+}
+""",
+        promotion="standard",
+    )
+    assert report["devices"] == 8
+    assert np.isfinite(report["loss"]) and report["finite"]
+    assert report["grad_dtypes"] == ["float32"]
+    assert report["sharded"].count("P('data',)") == 4  # the weights and the first biases
+
+
+@pytest.mark.parametrize("reduce", [None, jnp.float32])
+def test_custom_jvp_activations_differentiate_inside_shard_map(getkey, reduce):
+    """`jax.nn.relu` is a custom_jvp: its rule is traced at the arriving types,
+    varying manual axes included, or its ops would mix varying and invariant values
+    (this failed for `autocast` inside `jax.shard_map` before)."""
+    model = eqx.nn.MLP(4, 2, 8, 1, key=getkey())
+    policy = eqx_amp.get_policy("mixed_bfloat16").with_reduce_dtype(reduce)
+    x = jr.normal(getkey(), (4, 4))
+
+    def loss(model, x, wrap):
+        return jnp.sum(
+            wrap(eqx.filter_vmap(model), policy=policy)(x).astype(jnp.float32)
+        )
+
+    for wrap in (eqx_amp.autocast, eqx_amp.filter_amp):
+        grads = jax.shard_map(
+            lambda x: eqx.filter_grad(loss)(model, x, wrap),
+            mesh=_one_device_mesh(),
+            in_specs=P("data"),
+            out_specs=P(),
+            check_vma=False,
+        )(x)
+        grads_vma = jax.shard_map(
+            lambda x: jax.tree.map(
+                lambda g: jax.lax.psum(g, "data"), eqx.filter_grad(loss)(model, x, wrap)
+            ),
+            mesh=_one_device_mesh(),
+            in_specs=P("data"),
+            out_specs=P(),
+        )(x)
+        reference = eqx.filter_grad(loss)(model, x, lambda f, policy: f)
+        assert global_rel_error(grads_vma, reference) < 2e-2
+        assert global_rel_error(grads, reference) < 2e-2

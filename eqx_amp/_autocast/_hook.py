@@ -16,7 +16,11 @@ from .._jaxpr._evaluate import (
     is_higher_order,
     traced_dtypes,
 )
-from .._sharding import bind_reducing_gradients, reduced_operands
+from .._sharding import (
+    bind_reducing_gradients,
+    reduced_operands,
+    warn_if_batched_after_tracing,
+)
 from ._layer_calls import LayerCalls
 from ._rules import (
     BuiltinRule,
@@ -64,6 +68,8 @@ class _JaxprCasts(Hook):
             eqn.invars, invals, follows_activations(origins), call, self._casts
         )
         if is_higher_order(eqn):
+            if self._reduce_dtype is not None:
+                warn_if_batched_after_tracing(eqn, invals, origins)
             outs = evaluate(invals)
         else:
             outs = self._first_order(eqn, invals, origins, frame, evaluate)

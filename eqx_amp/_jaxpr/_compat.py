@@ -270,3 +270,16 @@ def is_batched(value: Any) -> bool:
     from jax._src.interpreters import batching
 
     return isinstance(value, batching.BatchTracer)
+
+
+def abstract_like(value: Any, dtype: Any) -> jax.ShapeDtypeStruct:
+    """An abstract value of `value`'s shape, with `dtype` and `value`'s varying
+    manual axes: a function traced inside `jax.shard_map` at it gets the implicit
+    casts to varying that JAX inserts when it meets varying values."""
+    aval = jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is None or not manual.varying:
+        return jax.ShapeDtypeStruct(value.shape, dtype)
+    return jax.ShapeDtypeStruct(
+        value.shape, dtype, sharding=aval.sharding, manual_axis_type=manual
+    )

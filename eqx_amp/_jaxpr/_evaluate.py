@@ -507,14 +507,16 @@ _jvp_rules: "dict[tuple, tuple[Any, Any, list[np.dtype]]]" = {}
 
 
 def _jvp_rule(eqn, jvp, new_fun, primals) -> tuple[Any, list[np.dtype]]:
-    arriving = tuple((x.shape, jnp.result_type(x)) for x in primals)
+    arriving = tuple(
+        (x.shape, jnp.result_type(x), compat.varying_axes(x)) for x in primals
+    )
     key = (id(eqn), arriving)
     cached = _jvp_rules.get(key)
     if cached is not None and cached[0] is eqn:
         return cached[1], cached[2]
     original = traced_dtypes(eqn.invars)
     written_for = [
-        jax.ShapeDtypeStruct(x.shape, d if is_floating_array(x) else x.dtype)
+        compat.abstract_like(x, d if is_floating_array(x) else x.dtype)
         for x, d in zip(primals, original)
     ] * 2
     rule = jax.make_jaxpr(ft.partial(compat.call_wrapped, jvp))(*written_for)
