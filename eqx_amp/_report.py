@@ -14,6 +14,7 @@ import numpy as np
 from jax import lax
 
 from ._cast import is_floating_array, is_floating_dtype, is_half_dtype
+from ._fp8 import E4M3, FP8_SCOPE, FP8_SKIPPED_SCOPE
 from ._jaxpr import _compat as compat
 from ._jaxpr._evaluate import (
     MATMUL_PRIMITIVES,
@@ -101,6 +102,16 @@ class WideMatmul:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8Skip:
+    """A matmul an fp8 rule left in the compute dtype, and why (its shapes)."""
+
+    source: str
+    reason: str
+    flops: int
+    scope: str
+
+
+@dataclasses.dataclass(frozen=True)
 class PrecisionReport:
     """What a function runs in which dtype. Print it for a table.
 
@@ -118,6 +129,9 @@ class PrecisionReport:
         (`("bfloat16", "float32")`) included.
     - `wide_matmuls`: the matmuls and convolutions with an operand of 32 bits or
         more, most FLOPs first, each with the reason that operand is wide.
+    - `fp8_skipped`: the matmuls an fp8 rule (`eqx_amp.FP8`) left in the compute
+        dtype, with the reason. fp8 matmuls count in `flops_by_dtypes` as
+        `("float8_e4m3fn", "float8_e4m3fn")` and as low precision.
     """
 
     ops: dict[str, dict[tuple[str, ...], int]]
@@ -129,6 +143,7 @@ class PrecisionReport:
         default_factory=dict
     )
     wide_matmuls: tuple["WideMatmul", ...] = ()
+    fp8_skipped: tuple[Fp8Skip, ...] = ()
 
     @property
     def low_precision_share(self) -> float:
@@ -154,6 +169,10 @@ class PrecisionReport:
                     f"  {site.flops:,}  {', '.join(site.dtypes)}  {site.source}: "
                     f"{site.reason}"
                 )
+        if self.fp8_skipped:
+            lines += ["", "matmuls left out of fp8 (FLOPs, source: why):"]
+            for skip in self.fp8_skipped[:10]:
+                lines.append(f"  {skip.flops:,}  {skip.source}: {skip.reason}")
         if self.full_precision_ops:
             lines += ["", "full-precision ops (primitive x count, scope, source):"]
             for site in self.full_precision_ops[:25]:
@@ -167,6 +186,24 @@ class PrecisionReport:
 
     def _repr_pretty_(self, printer, cycle):  # IPython / notebooks
         printer.text(str(self))
+
+
+_FP8_PAIR = (E4M3.name, E4M3.name)
+
+
+def _fp8_operands(eqn: Any, frame: Frame) -> tuple[str, str] | None:
+    """The dtypes a matmul of an fp8 matmul (`eqx_amp.fp8_dot_general`) multiplies:
+    its operands are float32 copies of fp8 values, read as fp8 by an fp8 GEMM."""
+    if FP8_SCOPE in frame.scopes:
+        return _FP8_PAIR
+    return None
+
+
+def _fp8_skipped_reason(frame: Frame) -> str | None:
+    for scope in reversed(frame.scopes):
+        if scope.startswith(FP8_SKIPPED_SCOPE):
+            return scope.partition(": ")[2] or "not eligible"
+    return None
 
 
 def precision_report(fn: Callable, *args: Any, **kwargs: Any) -> PrecisionReport:
@@ -225,6 +262,7 @@ class _Census(Hook):
         self.matmul_flops = self.low_flops = self.casts = 0
         self.flops_by_dtypes: collections.Counter = collections.Counter()
         self.wide: list[WideMatmul] = []
+        self.fp8_skipped: list[Fp8Skip] = []
         # id(value) -> (value, "`op` at file:line"): which op made each value. The
         # value is kept alive with its entry, so its id cannot be reused.
         self._made_by: dict[int, tuple[Any, str]] = {}
@@ -251,6 +289,8 @@ class _Census(Hook):
         return outvals
 
     def _explain_wide_operands(self, eqn, frame, invals, origins) -> None:
+        if _fp8_operands(eqn, frame):
+            return  # float32 copies of fp8 values: an fp8 matmul
         operands = list(zip(eqn.invars[:2], invals[:2], origins[:2]))
         wide = [
             (value, origin)
@@ -312,16 +352,23 @@ class _Census(Hook):
         if eqn.primitive in MATMUL_PRIMITIVES:
             flops = _matmul_flops(eqn) * frame.repeats
             self.matmul_flops += flops
-            self.flops_by_dtypes[_dtype_names(eqn.invars[:2])] += flops
-            if all(is_half_dtype(a.aval.dtype) for a in eqn.invars[:2]):
+            fp8 = _fp8_operands(eqn, frame)
+            self.flops_by_dtypes[fp8 or _dtype_names(eqn.invars[:2])] += flops
+            if fp8 or all(is_half_dtype(a.aval.dtype) for a in eqn.invars[:2]):
                 self.low_flops += flops
+            skipped = _fp8_skipped_reason(frame)
+            if skipped is not None:
+                self.fp8_skipped.append(
+                    Fp8Skip(frame.source(eqn), skipped, flops, "/".join(frame.scopes))
+                )
         if eqn.primitive is lax.convert_element_type_p:
             old, new = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
             floating = is_floating_dtype(old) and is_floating_dtype(new)
             self.casts += int(floating and old != new)
         floats = [a.aval.dtype for a in eqn.invars if _floating_aval(a)]
         if (
-            eqn.primitive not in _DATA_MOVEMENT
+            FP8_SCOPE not in frame.scopes  # an fp8 matmul's scales: float32 by design
+            and eqn.primitive not in _DATA_MOVEMENT
             and not is_higher_order(eqn)
             and floats
             and not any(map(is_half_dtype, floats))
@@ -342,6 +389,7 @@ class _Census(Hook):
             full_precision_ops=full_ops,
             flops_by_dtypes=dict(self.flops_by_dtypes),
             wide_matmuls=tuple(sorted(self.wide, key=lambda w: -w.flops)),
+            fp8_skipped=tuple(self.fp8_skipped),
         )
 
 

@@ -30,6 +30,13 @@ class _AutocastWrapper(FunctionWrapper):
 
     def __call__(self, *args, **kwargs):
         policy = resolve_policy(self.policy)
+        if self.rules.uses_fp8 and policy.compute_dtype.itemsize < 2:
+            raise ValueError(
+                f"`eqx_amp.FP8` quantises matmul operands from the compute dtype and "
+                f"returns products in it, so the compute dtype must be bfloat16, "
+                f"float16 or wider, but the policy is {policy}. Keep the policy's "
+                "compute dtype at bfloat16 and ask for fp8 with the rule."
+            )
         hook = AutocastHook(self.rules, policy.compute_dtype, policy.reduce_dtype)
         # The arrays of Equinox modules (`fn` itself, or arguments) are parameters:
         # they follow the activations they meet.
@@ -69,10 +76,14 @@ def autocast(
         `None` means `default_policy()` where the call is traced (set it once with
         `eqx_amp.using_policy`).
     - `rules`: a mapping from JAX primitives (`jax.lax.exp_p`) or `jax.named_scope`
-        names to `LOW`, `FULL`, `PROMOTE`, `KEEP` or a callable
-        `rule(compute_dtype, original_dtypes, *invals, **params) -> (invals, params)`
-        (jaxamp's signature), merged over `DEFAULT_RULES`. The innermost matching
-        named scope wins over primitive rules; ops no rule covers are not cast.
+        names to `LOW`, `FULL`, `PROMOTE`, `KEEP`, `FP8`, `FP8_ROWWISE` or a
+        callable `rule(compute_dtype, original_dtypes, *invals, **params) ->
+        (invals, params)` (jaxamp's signature), merged over `DEFAULT_RULES`. The
+        innermost matching named scope wins over primitive rules; ops no rule covers
+        are not cast. `{jax.lax.dot_general_p: eqx_amp.FP8}` runs matmuls in fp8
+        with current scaling (`eqx_amp.fp8_dot_general`), those whose shapes an fp8
+        GEMM cannot take in the compute dtype (`precision_report` says which, and
+        why).
 
     **Returns:**
 

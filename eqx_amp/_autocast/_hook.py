@@ -8,6 +8,7 @@ import numpy as np
 from jax import lax
 
 from .._cast import is_floating_array, is_floating_dtype, widest_dtype
+from .._fp8 import matmul_in_fp8
 from .._jaxpr._evaluate import (
     Evaluate,
     Frame,
@@ -23,7 +24,9 @@ from .._sharding import (
 )
 from ._layer_calls import LayerCalls
 from ._rules import (
+    LOW,
     BuiltinRule,
+    Fp8Rule,
     RuleTable,
     follows_activations,
     promotion_dtypes,
@@ -79,6 +82,12 @@ class _JaxprCasts(Hook):
     def _first_order(self, eqn, invals, origins, frame, evaluate) -> list:
         original = traced_dtypes(eqn.invars)
         rule = self._rules.lookup(eqn.primitive, frame.scopes)
+        if isinstance(rule, Fp8Rule):
+            if eqn.primitive is lax.dot_general_p and all(
+                is_floating_array(v) for v in invals
+            ):
+                return self._fp8(eqn, rule, invals, original, origins)
+            rule = self._rules.by_primitive.get(eqn.primitive)
         if rule is None:
             invals = _agree_if_they_did(invals, original, origins, self._casts)
         elif isinstance(rule, BuiltinRule):
@@ -104,6 +113,15 @@ class _JaxprCasts(Hook):
                 eqn, invals, weights, self._reduce_dtype, params
             )
         return evaluate(invals, params)
+
+    def _fp8(self, eqn, rule, invals, original, origins) -> list:
+        invals = LOW.cast(self._compute_dtype, original, invals, origins, self._casts)
+        params = _follow_inputs(eqn, invals)
+        out_dtype = params.get("preferred_element_type") or widest_dtype(
+            v.dtype for v in invals
+        )
+        dims = eqn.params["dimension_numbers"]
+        return [matmul_in_fp8(*invals, dims, rule.scaling, out_dtype, True)]
 
 
 class _CastCache:

@@ -135,6 +135,35 @@ KEEP = BuiltinRule(
 BUILTIN_RULES = (LOW, FULL, PROMOTE, KEEP)
 
 
+class Fp8Rule:
+    """`FP8` and `FP8_ROWWISE`: `dot_general` runs as an fp8 matmul with current
+    scaling (`eqx_amp.fp8_dot_general`) from operands cast to the compute dtype,
+    where its shapes allow an fp8 GEMM (every dimension a multiple of 16); other
+    matmuls stay in the compute dtype, and `precision_report` says why. Other ops
+    under an fp8 scope rule follow their own primitive's rule."""
+
+    def __init__(self, name: str, scaling: str):
+        self.name = name
+        self.scaling = scaling
+        self.__doc__ = Fp8Rule.__doc__
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(
+            f"eqx_amp.{self.name} is applied by `autocast` itself (it rebinds the "
+            "matmul); it cannot be called as a rule function."
+        )
+
+    def __repr__(self) -> str:
+        return f"eqx_amp.{self.name}"
+
+    def __reduce__(self):
+        return self.name
+
+
+FP8 = Fp8Rule("FP8", "tensorwise")
+FP8_ROWWISE = Fp8Rule("FP8_ROWWISE", "rowwise")
+
+
 class _ParameterLookup(BuiltinRule):
     """The rule of `gather` and `dynamic_slice`: a parameter table read at positions
     chosen by the data (an embedding lookup) is an activation, so it is read in the
@@ -219,7 +248,8 @@ _BAD_KEY = (
 )
 _BAD_VALUE = (
     "The rule for {!r} is {!r}, which is not a rule. A rule is one of "
-    "`eqx_amp.LOW`, `eqx_amp.FULL`, `eqx_amp.PROMOTE`, `eqx_amp.KEEP`, or a callable "
+    "`eqx_amp.LOW`, `eqx_amp.FULL`, `eqx_amp.PROMOTE`, `eqx_amp.KEEP`, "
+    "`eqx_amp.FP8`, `eqx_amp.FP8_ROWWISE`, or a callable "
     "`rule(compute_dtype, original_dtypes, *invals, **params) -> (invals, params)`."
 )
 
@@ -251,6 +281,7 @@ class RuleTable:
                     raise ValueError(_BAD_VALUE.format(key, rule))
                 merged[key] = rule
         self.by_primitive = {k: v for k, v in merged.items() if not isinstance(k, str)}
+        self.uses_fp8 = any(isinstance(v, Fp8Rule) for v in merged.values())
         self.by_scope = {k: v for k, v in merged.items() if isinstance(k, str)}
         self._key = tuple(sorted((repr(k), id(v)) for k, v in merged.items()))
 

@@ -1,0 +1,279 @@
+"""fp8 matmuls with current scaling: `fp8_dot_general` and autocast's `FP8` rules."""
+
+import pathlib
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import eqx_amp
+
+from .helpers import walk_eqns
+
+
+E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+MATMUL = (((1,), (0,)), ((), ()))  # (m, k) x (k, n)
+# Round-to-nearest unit roundoff of e4m3 (3 mantissa bits) and e5m2 (2 bits), and
+# the spacing of their subnormals (relative to their largest finite value).
+U4, U5 = 2.0**-4, 2.0**-3
+TINY4 = 2.0**-9 / 448.0
+TINY5 = 2.0**-16 / 57344.0
+
+
+def _operands(key, outliers: bool):
+    kx, kw, ko = jr.split(key, 3)
+    x = jr.normal(kx, (32, 64))
+    w = 0.1 * jr.normal(kw, (64, 48))
+    if outliers:  # a few activations 1000x the rest, as in large transformers
+        x = x.at[jr.randint(ko, (4,), 0, 32), 3].set(1e5)
+    return x, w
+
+
+def _bound(x, w, u, tiny_x, tiny_w):
+    """Elementwise bound on |fp8 product - exact product|: each factor is off by at
+    most a relative `u` (plus a subnormal spacing at the tensor's scale)."""
+    ax, aw = jnp.abs(x), jnp.abs(w)
+    tx, tw = tiny_x * jnp.max(ax), tiny_w * jnp.max(aw)
+    k = x.shape[1]
+    return (
+        (2 * u + u**2) * (ax @ aw)
+        + tx * jnp.sum(aw, 0)[None, :]
+        + tw * jnp.sum(ax, 1)[:, None]
+        + k * tx * tw
+    )
+
+
+@pytest.mark.parametrize("outliers", [False, True])
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_fp8_product_is_within_the_formats_bound(getkey, scaling, outliers):
+    x, w = _operands(getkey(), outliers)
+    y = eqx_amp.fp8_dot_general(x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    error = np.abs(np.asarray(y, np.float64) - exact)
+    bound = np.asarray(_bound(x, w, U4, TINY4, TINY4), np.float64) * 1.01 + 1e-6
+    assert (error <= bound).all(), float((error / bound).max())
+    assert y.dtype == jnp.float32
+
+
+def test_rowwise_scaling_keeps_outliers_to_their_rows(getkey):
+    x, w = _operands(getkey(), outliers=True)
+    exact = x @ w
+    errors = {}
+    for scaling in ("tensorwise", "rowwise"):
+        y = eqx_amp.fp8_dot_general(
+            x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32
+        )
+        clean = np.asarray(jnp.abs(x[:, 3]) < 100)  # the rows without an outlier
+        errors[scaling] = float(
+            jnp.linalg.norm((y - exact)[clean]) / jnp.linalg.norm(exact[clean])
+        )
+    assert errors["rowwise"] < 0.1 < errors["tensorwise"]
+
+
+def test_scaling_is_what_keeps_small_values(getkey):
+    """The ablation: fp8 values cast without a scale underflow (e4m3's smallest
+    normal is 2**-6); scaled from their amax they keep 3 bits of mantissa."""
+    x, w = _operands(getkey(), outliers=False)
+    x, w = 1e-3 * x, 1e-2 * w
+    exact = x @ w
+    scaled = eqx_amp.fp8_dot_general(x, w, MATMUL, out_dtype=jnp.float32)
+    unscaled = x.astype(E4M3).astype(jnp.float32) @ w.astype(E4M3).astype(jnp.float32)
+    rel = lambda y: float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact))  # noqa: E731
+    assert rel(scaled) < 0.08
+    assert rel(unscaled) > 0.5
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_fp8_gradients_are_within_bound_and_use_e5m2(getkey, scaling):
+    x, w = _operands(getkey(), outliers=False)
+    g = jr.normal(getkey(), (32, 48))
+
+    def f(x, w):
+        return eqx_amp.fp8_dot_general(
+            x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32
+        )
+
+    _, pullback = jax.vjp(f, x, w)
+    dx, dw = pullback(g)
+    exact_dx, exact_dw = g @ w.T, x.T @ g
+    # Each gradient multiplies the e5m2 gradient by an e4m3 operand.
+    bound_dx = _bound(g, w.T, U5, TINY5, TINY4) * 1.01 + 1e-6
+    bound_dw = _bound(x.T, g, U5, TINY4, TINY5) * 1.01 + 1e-6
+    if scaling == "tensorwise":
+        assert (jnp.abs(dx - exact_dx) <= bound_dx).all()
+        assert (jnp.abs(dw - exact_dw) <= bound_dw).all()
+    for grad, exact in ((dx, exact_dx), (dw, exact_dw)):
+        assert float(jnp.linalg.norm(grad - exact) / jnp.linalg.norm(exact)) < 0.15
+    # The forward quantises to e4m3, the backward the gradient to e5m2.
+    jaxpr = jax.make_jaxpr(lambda x, w, g: jax.vjp(f, x, w)[1](g))(x, w, g)
+    made = [
+        e.params["new_dtype"]
+        for e, _ in walk_eqns(jaxpr)
+        if e.primitive.name == "convert_element_type"
+    ]
+    assert made.count(E4M3) == 2 and made.count(E5M2) == 1
+
+
+def test_under_vmap_the_scales_cover_the_whole_batch(getkey):
+    """One example with an outlier sets the scale of the batch: the vmapped product
+    is the batched one, and so are its gradients."""
+    x, w = _operands(getkey(), outliers=True)
+    per_example = (((0,), (0,)), ((), ()))
+    batched = eqx_amp.fp8_dot_general(x, w, MATMUL, out_dtype=jnp.float32)
+    vmapped = jax.vmap(
+        lambda xi: eqx_amp.fp8_dot_general(xi, w, per_example, out_dtype=jnp.float32)
+    )(x)
+    np.testing.assert_array_equal(np.asarray(vmapped), np.asarray(batched))
+
+    def loss_batched(w):
+        return jnp.sum(
+            jnp.sin(eqx_amp.fp8_dot_general(x, w, MATMUL, out_dtype=jnp.float32))
+        )
+
+    def loss_vmapped(w):
+        y = jax.vmap(
+            lambda xi: eqx_amp.fp8_dot_general(
+                xi, w, per_example, out_dtype=jnp.float32
+            )
+        )(x)
+        return jnp.sum(jnp.sin(y))
+
+    np.testing.assert_array_equal(
+        np.asarray(jax.grad(loss_vmapped)(w)), np.asarray(jax.grad(loss_batched)(w))
+    )
+
+
+def test_fp8_dot_general_errors():
+    x = jnp.ones((16, 16))
+    with pytest.raises(ValueError, match="`scaling` must be 'tensorwise' or 'rowwise'"):
+        eqx_amp.fp8_dot_general(x, x, MATMUL, scaling="blockwise")
+    with pytest.raises(
+        TypeError, match="multiplies floating arrays, but `rhs` is int32"
+    ):
+        eqx_amp.fp8_dot_general(x, jnp.ones((16, 16), jnp.int32), MATMUL)
+    with pytest.raises(
+        ValueError, match="`out_dtype` must be bfloat16, float16 or wider"
+    ):
+        eqx_amp.fp8_dot_general(x, x, MATMUL, out_dtype=jnp.float8_e4m3fn)
+
+
+#
+# autocast's fp8 rules.
+#
+
+
+class Head(eqx.Module):
+    body: eqx.nn.MLP
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        hidden = jax.nn.relu(self.body(x))
+        with jax.named_scope("head"):
+            return self.head(hidden)
+
+
+def _model(key):
+    k1, k2 = jr.split(key)
+    return Head(eqx.nn.MLP(32, 64, 64, 1, key=k1), eqx.nn.Linear(64, 16, key=k2))
+
+
+def test_autocast_fp8_rule_runs_matmuls_in_fp8_and_reports_them(getkey):
+    model, x = _model(getkey()), jr.normal(getkey(), (32, 32))
+    rules = {jax.lax.dot_general_p: eqx_amp.FP8}
+    forward = eqx_amp.autocast(
+        eqx.filter_vmap(model), policy="mixed_bfloat16", rules=rules
+    )
+    y, exact = forward(x), jax.vmap(model)(x)
+    assert y.dtype == jnp.float32
+    assert float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact)) < 0.1
+    report = eqx_amp.precision_report(forward, x)
+    fp8_pair = ("float8_e4m3fn", "float8_e4m3fn")
+    assert report.flops_by_dtypes == {fp8_pair: report.matmul_flops}
+    assert report.low_precision_share == 1.0
+    assert report.fp8_skipped == ()
+    # A scope rule keeps the head in bfloat16.
+    rules = {jax.lax.dot_general_p: eqx_amp.FP8, "head": eqx_amp.LOW}
+    forward = eqx_amp.autocast(
+        eqx.filter_vmap(model), policy="mixed_bfloat16", rules=rules
+    )
+    report = eqx_amp.precision_report(forward, x)
+    head_flops = 2 * 32 * 64 * 16
+    assert report.flops_by_dtypes[("bfloat16", "bfloat16")] == head_flops
+    assert report.flops_by_dtypes[fp8_pair] == report.matmul_flops - head_flops
+
+
+def test_autocast_fp8_leaves_ineligible_shapes_in_the_compute_dtype_and_says_why(
+    getkey,
+):
+    model = eqx.nn.MLP(32, 10, 64, 1, key=getkey())  # a head of 10 classes
+    x = jr.normal(getkey(), (32, 32))
+    forward = eqx_amp.autocast(
+        eqx.filter_vmap(model),
+        policy="mixed_bfloat16",
+        rules={jax.lax.dot_general_p: eqx_amp.FP8},
+    )
+    report = eqx_amp.precision_report(forward, x)
+    (skip,) = report.fp8_skipped
+    assert skip.reason == "lhs free size 10 not a multiple of 16"
+    assert skip.flops == 2 * 32 * 64 * 10
+    assert report.flops_by_dtypes[("bfloat16", "bfloat16")] == skip.flops
+    assert "matmuls left out of fp8" in str(report)
+
+
+def test_autocast_fp8_inside_vmap_decides_on_the_batched_shapes(getkey):
+    model, x = _model(getkey()), jr.normal(getkey(), (32, 32))
+    rules = {jax.lax.dot_general_p: eqx_amp.FP8}
+    inside = jax.vmap(eqx_amp.autocast(model, policy="mixed_bfloat16", rules=rules))
+    outside = eqx_amp.autocast(
+        eqx.filter_vmap(model), policy="mixed_bfloat16", rules=rules
+    )
+    np.testing.assert_array_equal(np.asarray(inside(x)), np.asarray(outside(x)))
+    grads = [
+        eqx.filter_grad(lambda m, f=f: jnp.sum(f(m)(x) ** 2))(model)
+        for f in (
+            lambda m: jax.vmap(
+                eqx_amp.autocast(m, policy="mixed_bfloat16", rules=rules)
+            ),
+            lambda m: eqx_amp.autocast(
+                eqx.filter_vmap(m), policy="mixed_bfloat16", rules=rules
+            ),
+        )
+    ]
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_rule_errors(getkey):
+    model, x = _model(getkey()), jnp.ones((16, 32))
+    forward = eqx_amp.autocast(
+        eqx.filter_vmap(model),
+        policy="c=float8_e4m3fn",
+        rules={jax.lax.dot_general_p: eqx_amp.FP8},
+    )
+    with pytest.raises(
+        ValueError, match="the compute dtype must be bfloat16, float16 or wider"
+    ):
+        forward(x)
+    with pytest.raises(TypeError, match="eqx_amp.FP8 is applied by `autocast` itself"):
+        eqx_amp.FP8(jnp.bfloat16, [jnp.float32], x)
+    assert repr(eqx_amp.FP8_ROWWISE) == "eqx_amp.FP8_ROWWISE"
+
+
+def test_readme_fp8_block_runs(getkey):
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split("### fp8 matmuls: `eqx_amp.FP8`", 1)[1].split("\n### ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    namespace = {
+        "jax": jax,
+        "eqx": eqx,
+        "eqx_amp": eqx_amp,
+        "model": eqx.nn.MLP(32, 10, 64, 2, key=getkey()),
+        "x": jr.normal(getkey(), (16, 32)),
+    }
+    exec(compile(block, "README.md (fp8)", "exec"), namespace)
+    assert namespace["logits"].dtype == jnp.float32
+    assert namespace["report"].fp8_skipped[0].reason.endswith("not a multiple of 16")
