@@ -34,7 +34,8 @@ from jaxtyping import PyTree
 
 HALF_TYPES = ("bf16", "f16")
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?\s*([a-z]+\d*)[\[\s,)]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?\s*([a-z][a-z0-9]*)[\[\s,)]")
+_CONVERT_OF = re.compile(r"\sconvert\((?:[^)%]*%)?([\w.\-]+)\)")
 _MATMUL = re.compile(r"=\s*[^=]*?\s(dot|convolution)\(([^)]*)\)")
 
 
@@ -80,12 +81,15 @@ def memory(compiled) -> dict:
 
 def hlo_stats(text: str) -> dict:
     lines = [line for line in text.splitlines() if " = " in line]
-    types = {}
+    types, converted_from = {}, {}
     for line in lines:
         m = _INSTRUCTION.match(line)
         if m:
             types[m.group(1)] = m.group(2)
-    matmuls = half_matmuls = 0
+            source = _CONVERT_OF.search(line)
+            if source:
+                converted_from[m.group(1)] = source.group(1)
+    matmuls = half_matmuls = fp8_matmuls = 0
     for line in lines:
         m = _MATMUL.search(line)
         if not m:
@@ -96,11 +100,16 @@ def hlo_stats(text: str) -> dict:
         dtypes = inline or [types.get(o, "?") for o in operands]
         if any(d in HALF_TYPES for d in dtypes):
             half_matmuls += 1
+        # fp8 values read as wider ones: what XLA rewrites into an fp8 GEMM.
+        sources = [types.get(converted_from.get(o, ""), "") for o in operands]
+        if sources and all(d.startswith("f8") for d in sources):
+            fp8_matmuls += 1
     return {
         "instructions": len(lines),
         "converts": sum(" convert(" in line for line in lines),
         "matmuls": matmuls,
         "half_matmuls": half_matmuls,
+        "fp8_matmuls": fp8_matmuls,
         "signature": program_signature(lines),
     }
 

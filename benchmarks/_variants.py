@@ -195,6 +195,10 @@ def wrapped(wrap: Callable):
 
 filter_amp = wrapped(eqx_amp.filter_amp)
 autocast = wrapped(eqx_amp.autocast)
+# fp8 matmuls (current scaling), everything else as autocast in bfloat16.
+autocast_fp8 = wrapped(
+    ft.partial(eqx_amp.autocast, rules={jax.lax.dot_general_p: eqx_amp.FP8})
+)
 
 
 def bimodel(dtype: str):
@@ -405,6 +409,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("filter_amp_f16", "eqx_amp", "f16", "dynamic+skip", filter_amp("f16")),
         Variant("autocast_f16", "eqx_amp", "f16", "dynamic+skip", autocast("f16")),
         Variant("bimodel_f16", "eqx_amp", "f16", "dynamic+skip", bimodel("f16")),
+        Variant("autocast_fp8", "eqx_amp", "fp8", "none", autocast_fp8("bf16")),
         Variant(
             "jmp_bf16", "peer", "bf16", "no-op", jmp_variant("bf16"),
             requires="jmp", package="jmp",

@@ -258,7 +258,8 @@ def table_rows(model: dict) -> list[list[str]]:
             _fmt(r["step_vs_fp32"], ".2f"),
             _fmt(r["step_vs_hand"], ".2f"),
             str(comp["converts"]),
-            f"{comp['half_matmuls']} ({prog['half_matmuls']})/{prog['matmuls']}",
+            f"{comp['half_matmuls']} ({prog['half_matmuls']})/{prog['matmuls']}"
+            + (f", fp8 {prog['fp8_matmuls']}" if prog.get("fp8_matmuls") else ""),
             str(comp["instructions"]),
             _fmt(res.get("final_loss"), ".4f"),
             _fmt(res.get("final_loss_minus_fp32"), "+.4f"),
@@ -565,7 +566,8 @@ def main(argv=None):
           "for the backward pass (jax.vjp residuals); step ms = median step time; "
           "×fp32 / ×hand = ratio to fp32 / hand_bf16; "
           "converts / instrs = compiled HLO; half mm = dots+convs with a bf16/f16 "
-          "operand, compiled (program) / all; loss@K = float32 loss of the final "
+          "operand, compiled (program) / all, and the program's fp8 ones "
+          "(dots of values converted from fp8); loss@K = float32 loss of the final "
           "master weights on batch 0.")  # fmt: skip
     failed = [(n, r) for m in models.values() for n, r in m["variants"].items()
               if r["status"] != "ok"]  # fmt: skip

@@ -132,6 +132,28 @@ def _run_eight_devices(command: list[str]) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def run_repo_script(relative: str, *args: str, timeout: int = 900) -> str:
+    """Runs a script of this repository on CPU, with the checkout's `eqx_amp` first
+    on the path, and returns what it printed (failing with its stderr)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(root), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    result = subprocess.run(
+        [sys.executable, str(root / relative), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
 def rel_error(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-12))

@@ -3,11 +3,8 @@
 steps on 8 devices read from the program right after SPMD partitioning."""
 
 import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
@@ -19,7 +16,12 @@ from jax.sharding import PartitionSpec as P
 
 import eqx_amp
 
-from .helpers import global_rel_error, run_script_on_eight_devices, walk_eqns
+from .helpers import (
+    global_rel_error,
+    run_repo_script,
+    run_script_on_eight_devices,
+    walk_eqns,
+)
 
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -399,28 +401,8 @@ def test_average_refuses_sharded_parameters_and_can_be_turned_off(getkey):
 @pytest.fixture(scope="module")
 def sharded_rows():
     """The sharded benchmark's cases, measured on 8 simulated CPU devices."""
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
-        ),
-    }
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "benchmarks" / "sharded.py"),
-            "--quick",
-            "--json",
-            "-",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    out = run_repo_script("benchmarks/sharded.py", "--quick", "--json", "-")
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def _row(rows, **where):
@@ -567,7 +549,9 @@ report = {
     assert report["devices"] == 8
     assert np.isfinite(report["loss"]) and report["finite"]
     assert report["grad_dtypes"] == ["float32"]
-    assert report["sharded"].count("P('data',)") == 4  # the weights and the first biases
+    assert (
+        report["sharded"].count("P('data',)") == 4
+    )  # the weights and the first biases
 
 
 @pytest.mark.parametrize("reduce", [None, jnp.float32])
