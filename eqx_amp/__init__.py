@@ -4,8 +4,6 @@ import importlib.metadata
 
 from ._autocast._autocast import autocast as autocast
 from ._autocast._rules import DEFAULT_RULES as DEFAULT_RULES
-from ._autocast._rules import FP8 as FP8
-from ._autocast._rules import FP8_ROWWISE as FP8_ROWWISE
 from ._autocast._rules import FULL as FULL
 from ._autocast._rules import KEEP as KEEP
 from ._autocast._rules import LOW as LOW
@@ -16,6 +14,8 @@ from ._filter_amp import filter_amp as filter_amp
 from ._filter_amp import full_precision as full_precision
 from ._filters import default_filter_spec as default_filter_spec
 from ._filters import keep as keep
+from ._fp8 import FP8 as FP8
+from ._fp8 import FP8_ROWWISE as FP8_ROWWISE
 from ._fp8 import fp8_dot_general as fp8_dot_general
 from ._grad import filter_grad as filter_grad
 from ._grad import filter_value_and_grad as filter_value_and_grad

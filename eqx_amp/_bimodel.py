@@ -36,6 +36,7 @@ from ._cast import (
 )
 from ._filter_amp import filter_amp
 from ._filters import FilterSpec, default_filter_spec, selection_mask
+from ._fp8 import Fp8Rule
 from ._grad import filter_grad, filter_value_and_grad
 from ._policy import Policy, resolve_policy
 from ._wrapper import check_callable
@@ -127,6 +128,8 @@ class BiModel(eqx.Module):
     - `policy`: a `Policy` or a policy string; `None` means `default_policy()`.
     - `filter_spec`: which floating leaves get a compute-dtype copy, as
         `eqx.partition` accepts; `None` means `default_filter_spec(model)`.
+    - `fp8`, `fp8_filter`: fp8 matmuls for the selected modules, as for
+        `eqx_amp.filter_amp` (`fp8=eqx_amp.FP8`).
 
     **Attributes:**
 
@@ -172,6 +175,10 @@ class BiModel(eqx.Module):
     # The resolved filter spec, one bool per leaf of `master`. Part of the pytree
     # structure, so two `BiModel`s with different specs never mix under `jit`.
     _selected: tuple[bool, ...] = eqx.field(static=True, repr=False)
+    fp8: Fp8Rule | None = eqx.field(static=True, default=None)
+    fp8_filter: Callable[[eqx.Module], bool] | None = eqx.field(
+        static=True, default=None
+    )
 
     def __init__(
         self,
@@ -179,6 +186,8 @@ class BiModel(eqx.Module):
         *,
         policy: Policy | str | None = None,
         filter_spec: FilterSpec | None = None,
+        fp8: Fp8Rule | None = None,
+        fp8_filter: Callable[[eqx.Module], bool] | None = None,
     ):
         if isinstance(model, BiModel):
             raise TypeError(_NESTED_BIMODEL)
@@ -200,6 +209,10 @@ class BiModel(eqx.Module):
         self._compute_only = tuple(map(compute_only, selected, jtu.tree_leaves(master)))
         self.policy = policy
         self._selected = tuple(bool(s) for s in selected)
+        # Checked by `filter_amp` here, not at the first call inside a jit.
+        filter_amp(lambda: None, fp8=fp8, fp8_filter=fp8_filter)
+        self.fp8 = fp8
+        self.fp8_filter = fp8_filter
 
     @property
     def compute(self) -> PyTree:
@@ -228,7 +241,13 @@ class BiModel(eqx.Module):
         # The selected leaves are already in the compute dtype, so `filter_amp` casts
         # no weights: it adds the kept submodules' boundaries and casts the
         # arguments and outputs.
-        amp = filter_amp(self.compute, policy=self.policy, filter_spec=self.filter_spec)
+        amp = filter_amp(
+            self.compute,
+            policy=self.policy,
+            filter_spec=self.filter_spec,
+            fp8=self.fp8,
+            fp8_filter=self.fp8_filter,
+        )
         return amp(*args, **kwargs)
 
     def with_compute(self, compute: PyTree) -> "BiModel":

@@ -33,6 +33,7 @@ from ._filters import (
     default_filter_spec,
     selection_mask,
 )
+from ._fp8 import Fp8ParamsHook, Fp8Rule
 from ._jaxpr._evaluate import evaluate_function
 from ._policy import Policy, get_policy, resolve_policy
 from ._report import precision_report
@@ -315,13 +316,28 @@ class _AmpWrapper(FunctionWrapper):
     policy: Policy | None = eqx.field(static=True)
     filter_spec: FilterSpec | None
     arg_spec: FilterSpec | None = None
+    fp8: Any = eqx.field(static=True, default=None)
+    fp8_filter: Callable[[eqx.Module], bool] | None = eqx.field(
+        static=True, default=None
+    )
 
     def __call__(self, *args, **kwargs):
         policy = resolve_policy(self.policy)
         fn = _amp_view(self.fn, policy, self.filter_spec, {})
         args, kwargs = _cast_arguments(args, kwargs, policy, self.arg_spec)
         _check_coverage_once(self.fn, fn, args, kwargs, policy)
-        if policy.reduce_dtype == policy.compute_dtype:
+        if self.fp8 is not None:
+            _check_fp8_policy(policy)
+            # The arrays of the modules the filter selects are the parameters whose
+            # matmuls run in fp8.
+            selected = self.fp8_filter or (lambda module: True)
+            out = evaluate_function(
+                _call,
+                (fn, args, kwargs),
+                Fp8ParamsHook(self.fp8.scaling),
+                params_are=lambda node: _is_module(node) and bool(selected(node)),
+            )
+        elif policy.reduce_dtype == policy.compute_dtype:
             out = fn(*args, **kwargs)
         else:
             # Only the matmuls reading parameters change: their weight gradients are
@@ -333,6 +349,37 @@ class _AmpWrapper(FunctionWrapper):
                 params_are=_is_module,
             )
         return cast_all_but_state(out, lambda _: policy.output_dtype)
+
+
+def _check_fp8_policy(policy: Policy) -> None:
+    if policy.compute_dtype.itemsize < 2:
+        raise ValueError(
+            "fp8 matmuls quantise their operands from the compute dtype and return "
+            "products in it, so the compute dtype must be bfloat16, float16 or "
+            f"wider, but the policy is {policy}."
+        )
+    if policy.reduce_dtype != policy.compute_dtype:
+        raise ValueError(
+            "`filter_amp(..., fp8=...)` with a `Policy.reduce_dtype` is not "
+            "supported yet. fp8 matmuls already sum their weight gradients in "
+            "float32; drop the reduce dtype, or use `autocast`, which takes both."
+        )
+
+
+def _check_fp8_options(fp8: Any, fp8_filter: Any) -> None:
+    if fp8 is not None and not isinstance(fp8, Fp8Rule):
+        raise TypeError(
+            "`fp8` must be `eqx_amp.FP8`, `eqx_amp.FP8_ROWWISE` or None, but got "
+            f"{fp8!r}."
+        )
+    if fp8_filter is not None:
+        if fp8 is None:
+            raise ValueError("`fp8_filter` selects modules for `fp8=`, which is None.")
+        if not callable(fp8_filter):
+            raise TypeError(
+                "`fp8_filter` must be a callable `module -> bool` (which modules' "
+                f"matmuls run in fp8), but got {type(fp8_filter).__name__}."
+            )
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -410,6 +457,8 @@ def filter_amp(
     policy: Policy | str | None = None,
     filter_spec: FilterSpec | None = None,
     arg_spec: FilterSpec | None = None,
+    fp8: Fp8Rule | None = None,
+    fp8_filter: Callable[[eqx.Module], bool] | None = None,
 ) -> _F:
     """Runs `fn` in mixed precision, casting at its call boundary.
 
@@ -453,15 +502,21 @@ def filter_amp(
     """
     if fn is _sentinel:
         return ft.partial(
-            filter_amp, policy=policy, filter_spec=filter_spec, arg_spec=arg_spec
+            filter_amp,
+            policy=policy,
+            filter_spec=filter_spec,
+            arg_spec=arg_spec,
+            fp8=fp8,
+            fp8_filter=fp8_filter,
         )
     check_callable(fn, "filter_amp")
+    _check_fp8_options(fp8, fp8_filter)
     if policy is not None:
         policy = get_policy(policy)
     _check_filter_spec(fn, filter_spec)
     _check_mutable_captures(fn)
     _warn_if_weights_overflow(fn, resolve_policy(policy), filter_spec)
-    wrapper = _AmpWrapper(fn, policy, filter_spec, arg_spec)
+    wrapper = _AmpWrapper(fn, policy, filter_spec, arg_spec, fp8, fp8_filter)
     return eqx.module_update_wrapper(wrapper)
 
 

@@ -22,7 +22,7 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
 from ._jaxpr import _compat as compat
-from ._jaxpr._evaluate import Hook, evaluate
+from ._jaxpr._evaluate import Hook, Origin, evaluate
 
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -36,6 +36,35 @@ FP8_SKIPPED_SCOPE = "eqx_amp.fp8_skipped"
 FP8_MULTIPLE = 16
 Scaling = Literal["tensorwise", "rowwise"]
 _SCALINGS = ("tensorwise", "rowwise")
+
+
+class Fp8Rule:
+    """`FP8` and `FP8_ROWWISE`: `dot_general` runs as an fp8 matmul with current
+    scaling (`eqx_amp.fp8_dot_general`) from operands cast to the compute dtype,
+    where its shapes allow an fp8 GEMM (every dimension a multiple of 16); other
+    matmuls stay in the compute dtype, and `precision_report` says why. Other ops
+    under an fp8 scope rule follow their own primitive's rule."""
+
+    def __init__(self, name: str, scaling: str):
+        self.name = name
+        self.scaling = scaling
+        self.__doc__ = Fp8Rule.__doc__
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(
+            f"eqx_amp.{self.name} is applied by `autocast` itself (it rebinds the "
+            "matmul); it cannot be called as a rule function."
+        )
+
+    def __repr__(self) -> str:
+        return f"eqx_amp.{self.name}"
+
+    def __reduce__(self):
+        return self.name
+
+
+FP8 = Fp8Rule("FP8", "tensorwise")
+FP8_ROWWISE = Fp8Rule("FP8_ROWWISE", "rowwise")
 
 
 def _scale(x: Array, dtype: np.dtype, axes: tuple[int, ...]) -> Array:
@@ -280,3 +309,24 @@ def fp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:
     if bad:
         return f"{', '.join(bad)} not a multiple of {FP8_MULTIPLE}"
     return None
+
+
+class Fp8ParamsHook(Hook):
+    """Runs a program unchanged, except that each `dot_general` reading a parameter
+    (an array of the modules the fp8 filter selected) runs as an fp8 matmul where
+    its shapes allow one (`filter_amp(..., fp8=eqx_amp.FP8)`)."""
+
+    def __init__(self, scaling: str):
+        self.scaling = scaling
+
+    def equation(self, eqn, invals, origins, frame, evaluate):
+        reads_params = any(
+            origin is Origin.PARAMS and jnp.issubdtype(jnp.result_type(v), jnp.floating)
+            for v, origin in zip(invals, origins)
+        )
+        if eqn.primitive is lax.dot_general_p and reads_params:
+            lhs, rhs = invals
+            out_dtype = eqn.outvars[0].aval.dtype
+            dims = eqn.params["dimension_numbers"]
+            return [matmul_in_fp8(lhs, rhs, dims, self.scaling, out_dtype, True)]
+        return evaluate(invals)

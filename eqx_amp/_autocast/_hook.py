@@ -8,7 +8,7 @@ import numpy as np
 from jax import lax
 
 from .._cast import is_floating_array, is_floating_dtype, widest_dtype
-from .._fp8 import matmul_in_fp8
+from .._fp8 import Fp8Rule, matmul_in_fp8
 from .._jaxpr._evaluate import (
     Evaluate,
     Frame,
@@ -26,7 +26,6 @@ from ._layer_calls import LayerCalls
 from ._rules import (
     LOW,
     BuiltinRule,
-    Fp8Rule,
     RuleTable,
     follows_activations,
     promotion_dtypes,

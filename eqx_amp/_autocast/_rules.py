@@ -11,6 +11,7 @@ from jax import lax
 
 from .._cast import at_least_float32, is_floating_array, is_floating_dtype, widest_dtype
 from .._filters import FULL_PRECISION_SCOPE, NORM_SCOPES
+from .._fp8 import Fp8Rule
 from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import MATMUL_PRIMITIVES, Origin
 
@@ -133,35 +134,6 @@ KEEP = BuiltinRule(
     "Casts floating inputs back to the dtypes the original program had.",
 )
 BUILTIN_RULES = (LOW, FULL, PROMOTE, KEEP)
-
-
-class Fp8Rule:
-    """`FP8` and `FP8_ROWWISE`: `dot_general` runs as an fp8 matmul with current
-    scaling (`eqx_amp.fp8_dot_general`) from operands cast to the compute dtype,
-    where its shapes allow an fp8 GEMM (every dimension a multiple of 16); other
-    matmuls stay in the compute dtype, and `precision_report` says why. Other ops
-    under an fp8 scope rule follow their own primitive's rule."""
-
-    def __init__(self, name: str, scaling: str):
-        self.name = name
-        self.scaling = scaling
-        self.__doc__ = Fp8Rule.__doc__
-
-    def __call__(self, *args, **kwargs):
-        raise TypeError(
-            f"eqx_amp.{self.name} is applied by `autocast` itself (it rebinds the "
-            "matmul); it cannot be called as a rule function."
-        )
-
-    def __repr__(self) -> str:
-        return f"eqx_amp.{self.name}"
-
-    def __reduce__(self):
-        return self.name
-
-
-FP8 = Fp8Rule("FP8", "tensorwise")
-FP8_ROWWISE = Fp8Rule("FP8_ROWWISE", "rowwise")
 
 
 class _ParameterLookup(BuiltinRule):
