@@ -266,7 +266,8 @@ def test_fp8_rule_errors(getkey):
 def test_readme_fp8_block_runs(getkey):
     text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = text.split("### fp8 matmuls: `eqx_amp.FP8`", 1)[1].split("\n### ", 1)[0]
-    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    assert len(blocks) == 2
     namespace = {
         "jax": jax,
         "eqx": eqx,
@@ -274,9 +275,12 @@ def test_readme_fp8_block_runs(getkey):
         "model": eqx.nn.MLP(32, 10, 64, 2, key=getkey()),
         "x": jr.normal(getkey(), (16, 32)),
     }
-    exec(compile(block, "README.md (fp8)", "exec"), namespace)
+    for block in blocks:
+        exec(compile(block, "README.md (fp8)", "exec"), namespace)
     assert namespace["logits"].dtype == jnp.float32
     assert namespace["report"].fp8_skipped[0].reason.endswith("not a multiple of 16")
+    assert namespace["forward"](namespace["x"]).dtype == jnp.float32
+    assert jax.vmap(namespace["bimodel"])(namespace["x"]).dtype == jnp.float32
 
 
 #
