@@ -41,9 +41,10 @@ _SCALINGS = ("tensorwise", "rowwise")
 class Fp8Rule:
     """`FP8` and `FP8_ROWWISE`: `dot_general` runs as an fp8 matmul with current
     scaling (`eqx_amp.fp8_dot_general`) from operands cast to the compute dtype,
-    where its shapes allow an fp8 GEMM (every dimension a multiple of 16); other
-    matmuls stay in the compute dtype, and `precision_report` says why. Other ops
-    under an fp8 scope rule follow their own primitive's rule."""
+    where its shapes allow an fp8 GEMM (every dimension a multiple of 16), and
+    `conv_general_dilated` as an fp8 convolution (tensorwise, feature counts
+    multiples of 16); the others stay in the compute dtype, and `precision_report`
+    says why. Other ops under an fp8 scope rule follow their own primitive's rule."""
 
     def __init__(self, name: str, scaling: str):
         self.name = name
@@ -172,24 +173,111 @@ def _fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype):
     return matmul
 
 
+def _conv32(lhs: Array, rhs: Array, params: dict) -> Array:
+    return lax.conv_general_dilated_p.bind(
+        lhs.astype(jnp.float32),
+        rhs.astype(jnp.float32),
+        **dict(params, preferred_element_type=jnp.float32),
+    )
+
+
+def _fp8_conv(params: dict, out_dtype, lhs_dtype, rhs_dtype):
+    """A convolution in fp8 (tensorwise scales, which come out of the sums), with
+    the derivative rule of `_fp8_matmul`."""
+    conv32 = ft.partial(_conv32, params=params)
+
+    @jax.named_scope(FP8_SCOPE)
+    def forward(lhs, rhs):
+        ql, sl = _quantize(lhs, E4M3, tuple(range(lhs.ndim)))
+        qr, sr = _quantize(rhs, E4M3, tuple(range(rhs.ndim)))
+        out = conv32(ql, qr) / (sl.reshape(()) * sr.reshape(()))
+        return out.astype(out_dtype), (ql, sl, qr, sr)
+
+    @jax.custom_vjp
+    def conv(lhs, rhs):
+        return forward(lhs, rhs)[0]
+
+    @jax.named_scope(FP8_SCOPE)
+    def backward(residuals, cotangent):
+        ql, sl, qr, sr = residuals
+        qg, sg = _quantize(cotangent, E5M2, tuple(range(cotangent.ndim)))
+        lhs, rhs = ql.astype(jnp.float32), qr.astype(jnp.float32)
+        _, pullback = jax.vjp(conv32, lhs, rhs)
+        dlhs, drhs = pullback(qg.astype(jnp.float32))
+        sg, sl, sr = sg.reshape(()), sl.reshape(()), sr.reshape(())
+        return (dlhs / (sg * sr)).astype(lhs_dtype), (drhs / (sg * sl)).astype(
+            rhs_dtype
+        )
+
+    conv.defvjp(forward, backward)
+    return conv
+
+
+def conv_in_fp8(lhs, rhs, params: dict, out_dtype, only_eligible: bool) -> Array:
+    """A convolution in fp8 (tensorwise); with `only_eligible`, one whose feature
+    counts an fp8 kernel cannot take runs in `out_dtype`, under a named scope that
+    gives the reason. Under `jax.vmap` the batched convolution decides."""
+    params = {k: v for k, v in params.items() if k != "preferred_element_type"}
+    if compat.is_batched(lhs) or compat.is_batched(rhs):
+        return _batched_as_one(
+            lax.conv_general_dilated_p, params, "tensorwise", out_dtype, only_eligible
+        )(lhs, rhs)
+    reason = fp8_conv_eligible(rhs.shape, params) if only_eligible else None
+    if reason is not None:
+        with jax.named_scope(f"{FP8_SKIPPED_SCOPE}: {reason}"):
+            return lax.conv_general_dilated_p.bind(
+                lhs.astype(out_dtype),
+                rhs.astype(out_dtype),
+                **params,
+                preferred_element_type=None,
+            )
+    lhs_dtype, rhs_dtype = jnp.result_type(lhs), jnp.result_type(rhs)
+    return _fp8_conv(params, out_dtype, lhs_dtype, rhs_dtype)(lhs, rhs)
+
+
+def fp8_conv_eligible(rhs_shape, params: dict) -> str | None:
+    """Why a convolution with this kernel cannot run in fp8, or `None`: its input
+    and output feature counts must be multiples of 16."""
+    rhs_spec = params["dimension_numbers"].rhs_spec
+    sizes = {
+        "output features": rhs_shape[rhs_spec[0]],
+        "input features": rhs_shape[rhs_spec[1]],
+    }
+    bad = [f"{name} {n}" for name, n in sizes.items() if n % FP8_MULTIPLE]
+    if bad:
+        return f"{', '.join(bad)} not a multiple of {FP8_MULTIPLE}"
+    return None
+
+
 class _Fp8Dots(Hook):
-    """Binds every `dot_general` of a program as an fp8 matmul (where its shapes
-    allow one, if `only_eligible`)."""
+    """Binds every `dot_general` and convolution of a program as an fp8 one (where
+    its shapes allow, if `only_eligible`)."""
 
     def __init__(self, scaling, out_dtype, only_eligible):
         self.scaling, self.out_dtype = scaling, out_dtype
         self.only_eligible = only_eligible
 
     def equation(self, eqn, invals, origins, frame, evaluate):
-        if eqn.primitive is lax.dot_general_p:
-            lhs, rhs = invals
-            dims = eqn.params["dimension_numbers"]
+        if eqn.primitive in FP8_PRIMITIVES:
             return [
-                matmul_in_fp8(
-                    lhs, rhs, dims, self.scaling, self.out_dtype, self.only_eligible
+                product_in_fp8(
+                    eqn, *invals, self.scaling, self.out_dtype, self.only_eligible
                 )
             ]
         return evaluate(invals)
+
+
+# The primitives fp8 rules and filters turn into fp8 products.
+FP8_PRIMITIVES = frozenset({lax.dot_general_p, lax.conv_general_dilated_p})
+
+
+def product_in_fp8(eqn, lhs, rhs, scaling, out_dtype, only_eligible) -> Array:
+    """`eqn` (a `dot_general` or a convolution) on `lhs`, `rhs` in fp8; convolutions
+    are scaled tensorwise."""
+    if eqn.primitive is lax.conv_general_dilated_p:
+        return conv_in_fp8(lhs, rhs, eqn.params, out_dtype, only_eligible)
+    dims = eqn.params["dimension_numbers"]
+    return matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible)
 
 
 def matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible: bool) -> Array:
@@ -198,7 +286,10 @@ def matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible: bool) -> Ar
     `jax.vmap` the shapes decided on are the batched ones."""
     dims = tuple(tuple(tuple(d) for d in pair) for pair in dims)
     if compat.is_batched(lhs) or compat.is_batched(rhs):
-        return _batched_as_one(dims, scaling, out_dtype, only_eligible)(lhs, rhs)
+        params = {"dimension_numbers": dims}
+        return _batched_as_one(
+            lax.dot_general_p, params, scaling, out_dtype, only_eligible
+        )(lhs, rhs)
     reason = fp8_eligible(lhs.shape, rhs.shape, dims) if only_eligible else None
     if reason is not None:
         with jax.named_scope(f"{FP8_SKIPPED_SCOPE}: {reason}"):
@@ -265,19 +356,26 @@ def fp8_dot_general(
     return matmul_in_fp8(lhs, rhs, dimension_numbers, scaling, out_dtype, False)
 
 
-def _batched_as_one(dims, scaling, out_dtype, only_eligible):
-    """Under `jax.vmap`, the batched product is one fp8 matmul (its scales over the
-    whole batch), with the batch folded in by JAX's own rule for `dot_general`;
+def _batched_as_one(primitive, params, scaling, out_dtype, only_eligible):
+    """Under `jax.vmap`, the batched product is one fp8 product (its scales over the
+    whole batch), with the batch folded in by JAX's own rule for the primitive;
     otherwise a custom_vjp would be batched as it stands, per example."""
+
+    def plain(lhs, rhs):
+        if primitive is lax.conv_general_dilated_p:
+            return primitive.bind(lhs, rhs, **params, preferred_element_type=None)
+        return lax.dot_general(lhs, rhs, params["dimension_numbers"])
 
     @custom_vmap
     def batchable(lhs, rhs):
+        if primitive is lax.conv_general_dilated_p:
+            return conv_in_fp8(lhs, rhs, params, out_dtype, only_eligible)
+        dims = params["dimension_numbers"]
         return matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible)
 
     @batchable.def_vmap
     def batched(axis_size, in_batched, lhs, rhs):
         in_axes = [0 if b else None for b in in_batched]
-        plain = ft.partial(lax.dot_general, dimension_numbers=dims)
         closed = jax.make_jaxpr(jax.vmap(plain, in_axes, axis_size=axis_size))(lhs, rhs)
         hook = _Fp8Dots(scaling, out_dtype, only_eligible)
         (out,), _ = evaluate(closed, [lhs, rhs], hook)
@@ -324,9 +422,7 @@ class Fp8ParamsHook(Hook):
             origin is Origin.PARAMS and jnp.issubdtype(jnp.result_type(v), jnp.floating)
             for v, origin in zip(invals, origins)
         )
-        if eqn.primitive is lax.dot_general_p and reads_params:
-            lhs, rhs = invals
+        if eqn.primitive in FP8_PRIMITIVES and reads_params:
             out_dtype = eqn.outvars[0].aval.dtype
-            dims = eqn.params["dimension_numbers"]
-            return [matmul_in_fp8(lhs, rhs, dims, self.scaling, out_dtype, True)]
+            return [product_in_fp8(eqn, *invals, self.scaling, out_dtype, True)]
         return evaluate(invals)

@@ -421,3 +421,78 @@ report = {
 """
     )
     assert report["max_rel_diff"] < 1e-5
+
+
+#
+# Convolutions.
+#
+
+
+class SmallCNN(eqx.Module):
+    first: eqx.nn.Conv2d  # one input channel: not an fp8 convolution
+    second: eqx.nn.Conv2d
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jr.split(key, 3)
+        self.first = eqx.nn.Conv2d(1, 16, 3, padding=1, key=k1)
+        self.second = eqx.nn.Conv2d(16, 32, 3, padding=1, key=k2)
+        self.head = eqx.nn.Linear(32, 16, key=k3)
+
+    def __call__(self, x):
+        x = jax.nn.relu(self.second(jax.nn.relu(self.first(x))))
+        return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+def test_convolutions_in_fp8_on_every_path(getkey):
+    model, x = SmallCNN(getkey()), jr.normal(getkey(), (16, 1, 8, 8))
+    rules = {
+        jax.lax.dot_general_p: eqx_amp.FP8,
+        jax.lax.conv_general_dilated_p: eqx_amp.FP8,
+    }
+    paths = {
+        "autocast": eqx_amp.autocast(
+            eqx.filter_vmap(model), policy="mixed_bfloat16", rules=rules
+        ),
+        "autocast in vmap": jax.vmap(
+            eqx_amp.autocast(model, policy="mixed_bfloat16", rules=rules)
+        ),
+        "filter_amp": eqx_amp.filter_amp(
+            eqx.filter_vmap(model), policy="mixed_bfloat16", fp8=eqx_amp.FP8
+        ),
+    }
+    exact = jax.vmap(model)(x)
+    second_flops = 2 * 16 * 8 * 8 * 32 * 16 * 9
+    outputs = []
+    for name, forward in paths.items():
+        y = forward(x)
+        outputs.append(np.asarray(y))
+        assert float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact)) < 0.05, name
+        report = eqx_amp.precision_report(forward, x)
+        assert report.flops_by_dtypes[FP8_PAIR] == second_flops + 2 * 16 * 32 * 16, name
+        assert [s.reason for s in report.fp8_skipped] == [
+            "input features 1 not a multiple of 16"
+        ], name
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+def test_fp8_convolution_gradients_match(getkey):
+    model, x = SmallCNN(getkey()), jr.normal(getkey(), (16, 1, 8, 8))
+    rules = {jax.lax.conv_general_dilated_p: eqx_amp.FP8}
+
+    def loss(model, wrap):
+        return jnp.sum(jnp.sin(wrap(model)(x)))
+
+    grads = eqx.filter_grad(loss)(
+        model,
+        lambda m: eqx_amp.autocast(
+            eqx.filter_vmap(m), policy="mixed_bfloat16", rules=rules
+        ),
+    )
+    exact = eqx.filter_grad(loss)(model, eqx.filter_vmap)
+    error = float(
+        jnp.linalg.norm(grads.second.weight - exact.second.weight)
+        / jnp.linalg.norm(exact.second.weight)
+    )
+    assert error < 0.15
+    assert grads.second.weight.dtype == jnp.float32

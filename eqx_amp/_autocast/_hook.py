@@ -8,7 +8,7 @@ import numpy as np
 from jax import lax
 
 from .._cast import is_floating_array, is_floating_dtype, widest_dtype
-from .._fp8 import Fp8Rule, matmul_in_fp8
+from .._fp8 import FP8_PRIMITIVES, Fp8Rule, product_in_fp8
 from .._jaxpr._evaluate import (
     Evaluate,
     Frame,
@@ -82,7 +82,7 @@ class _JaxprCasts(Hook):
         original = traced_dtypes(eqn.invars)
         rule = self._rules.lookup(eqn.primitive, frame.scopes)
         if isinstance(rule, Fp8Rule):
-            if eqn.primitive is lax.dot_general_p and all(
+            if eqn.primitive in FP8_PRIMITIVES and all(
                 is_floating_array(v) for v in invals
             ):
                 return self._fp8(eqn, rule, invals, original, origins)
@@ -119,8 +119,7 @@ class _JaxprCasts(Hook):
         out_dtype = params.get("preferred_element_type") or widest_dtype(
             v.dtype for v in invals
         )
-        dims = eqn.params["dimension_numbers"]
-        return [matmul_in_fp8(*invals, dims, rule.scaling, out_dtype, True)]
+        return [product_in_fp8(eqn, *invals, rule.scaling, out_dtype, True)]
 
 
 class _CastCache:
