@@ -96,3 +96,17 @@ def test_fsdp_trains_on_a_two_dimensional_mesh():
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[-1] == "True"  # the weights kept their shardings
         assert np.isfinite(float(cells[1])) and np.isfinite(float(cells[2]))
+
+
+def test_fp8_training_tracks_bfloat16_and_the_ablation_does_not():
+    pytest.importorskip("sklearn")
+    out = _run_example("fp8_training.py", "--seeds", "1", "--steps", "30")
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("| digits") or line.startswith("| char"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[(cells[0], cells[1])] = float(cells[2].split()[0])
+    for task in ("digits CNN", "char transformer"):
+        bf16, fp8 = rows[(task, "bf16")], rows[(task, "fp8")]
+        assert abs(fp8 - bf16) < 0.05 * bf16
+        assert rows[(task, "fp8, no scaling")] > 1.2 * bf16
