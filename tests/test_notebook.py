@@ -89,4 +89,10 @@ def test_notebook_runs_on_small_settings(tmp_path, monkeypatch):
         for out in c.get("outputs", [])
         if "image/png" in out.get("data", {})
     ]
-    assert len(images) == 3
+    assert len(images) == 4
+    # The fp8 section: its matmuls are fp8, and each variant has a line per task.
+    (fp8_cell,) = [c for c in code_cells if "FP8_VARIANTS = [" in "".join(c.source)]
+    fp8_text = _stream_text(fp8_cell)
+    assert "float8_e4m3fn x float8_e4m3fn" in fp8_text
+    for name in ("autocast fp8", "fp8, no scaling"):
+        assert f"digits       {name}" in fp8_text and f"transformer  {name}" in fp8_text
