@@ -52,7 +52,9 @@ def print_memory_analysis(results: list[dict]) -> None:
     for r in results:
         m = r["memory"]
         if m is None:
-            print(f"  {r['name']:>{width}}: n/a (this backend reports no memory analysis)")
+            print(
+                f"  {r['name']:>{width}}: n/a (this backend reports no memory analysis)"
+            )
             continue
         print(
             f"  {r['name']:>{width}}: argument {fmt_bytes(m['argument'])}, "

@@ -225,8 +225,6 @@ def tree_bytes(tree: PyTree) -> int:
     )
 
 
-
-
 def differentiable(model) -> tuple[Callable, PyTree]:
     """The loss as a function of what the gradients are taken with respect to: the
     float32 parameters, or the BiModel's compute copy."""
@@ -262,8 +260,6 @@ def gradient_bytes(model, inputs, targets) -> int:
 #
 # Training.
 #
-
-
 
 
 def train(
@@ -321,10 +317,6 @@ def train(
 #
 # Reporting.
 #
-
-
-
-
 
 
 def ratio(a, b) -> str:

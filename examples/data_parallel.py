@@ -147,8 +147,6 @@ def accuracy(model, images, labels) -> Float[Array, ""]:
 #
 
 
-
-
 def choose_devices() -> list:
     devices = jax.devices()
     if len(devices) >= 2:

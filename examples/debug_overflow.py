@@ -85,8 +85,13 @@ def main():
     summary.append(("fix 2: autocast float16", autocast_loss, found))
     report = eqx_amp.precision_report(autocast_model, x)
     exp_sites = [s for s in report.full_precision_ops if s.primitive == "exp"]
-    print(f"matmul FLOPs in float16: {report.low_precision_share:.0%};",
-          "exp runs in", exp_sites[0].dtypes, "under", repr(exp_sites[0].scope))
+    print(
+        f"matmul FLOPs in float16: {report.low_precision_share:.0%};",
+        "exp runs in",
+        exp_sites[0].dtypes,
+        "under",
+        repr(exp_sites[0].scope),
+    )
     print_summary(summary)
 
 
@@ -97,10 +102,16 @@ def print_summary(rows) -> None:
     def first_op(found):
         if found is None:
             return "none"
-        where = found.source.replace("\\", "/").rsplit("/", 1)[-1]  # file:line (function)
-        return f"`{found.primitive}` in scope '{found.scope or '<no scope>'}' at {where}"
+        where = found.source.replace("\\", "/").rsplit("/", 1)[
+            -1
+        ]  # file:line (function)
+        return (
+            f"`{found.primitive}` in scope '{found.scope or '<no scope>'}' at {where}"
+        )
 
-    cells = [(name, f"{float(loss):.4f}", first_op(found)) for name, loss, found in rows]
+    cells = [
+        (name, f"{float(loss):.4f}", first_op(found)) for name, loss, found in rows
+    ]
     header = ("variant", "loss", "first non-finite op")
     widths = [max(len(row[i]) for row in (header, *cells)) for i in range(2)]
     print()
@@ -114,8 +125,10 @@ def stable_nll(model, x, y, amp):
     def mean_and_log_var(x):
         return model.head.linear(model.body(x))
 
-    forward = eqx_amp.filter_amp(mean_and_log_var, policy="mixed_float16") if amp else (
-        mean_and_log_var
+    forward = (
+        eqx_amp.filter_amp(mean_and_log_var, policy="mixed_float16")
+        if amp
+        else (mean_and_log_var)
     )
     mean, log_var = forward(x)  # float32: filter_amp's output dtype
     return 0.5 * (log_var + (y - mean) ** 2 * jnp.exp(-log_var))

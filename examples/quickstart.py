@@ -131,8 +131,6 @@ def accuracy(model: CNN, images, labels, policy: str | None) -> Float[Array, ""]
 #
 
 
-
-
 def saved_activation_bytes(model: CNN, images, labels, policy: str | None) -> int:
     """Bytes of the forward values JAX's autodiff keeps for the backward pass.
 
@@ -162,8 +160,6 @@ def saved_activation_bytes(model: CNN, images, labels, policy: str | None) -> in
 #
 # Training.
 #
-
-
 
 
 def train(
@@ -232,10 +228,6 @@ def make_batch_orders(
 #
 # Reporting.
 #
-
-
-
-
 
 
 def print_summary(results: list[dict]) -> None:

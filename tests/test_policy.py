@@ -211,7 +211,9 @@ def test_reduce_dtype_follows_compute_unless_chosen():
     assert str(policy) == "params=float32,compute=bfloat16,output=float32"
     chosen = policy.with_reduce_dtype("f32")
     assert chosen.reduce_dtype == F32
-    assert str(chosen) == "params=float32,compute=bfloat16,output=float32,reduce=float32"
+    assert (
+        str(chosen) == "params=float32,compute=bfloat16,output=float32,reduce=float32"
+    )
     assert repr(chosen).endswith("reduce_dtype=float32)")
     assert eqx_amp.get_policy(str(chosen)) == chosen
     assert eqx_amp.get_policy("c=bf16,o=f32,r=f32") == chosen
