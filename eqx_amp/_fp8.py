@@ -18,11 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
 from ._jaxpr import _compat as compat
-from ._jaxpr._evaluate import Hook, Origin, evaluate
+from ._jaxpr._evaluate import Hook, Origin, batched_like
 
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -357,31 +356,21 @@ def fp8_dot_general(
 
 
 def _batched_as_one(primitive, params, scaling, out_dtype, only_eligible):
-    """Under `jax.vmap`, the batched product is one fp8 product (its scales over the
-    whole batch), with the batch folded in by JAX's own rule for the primitive;
-    otherwise a custom_vjp would be batched as it stands, per example."""
+    """Under `jax.vmap`, the batched product is one fp8 product: its scales cover
+    the whole batch."""
 
     def plain(lhs, rhs):
         if primitive is lax.conv_general_dilated_p:
             return primitive.bind(lhs, rhs, **params, preferred_element_type=None)
         return lax.dot_general(lhs, rhs, params["dimension_numbers"])
 
-    @custom_vmap
-    def batchable(lhs, rhs):
+    def op(lhs, rhs):
         if primitive is lax.conv_general_dilated_p:
             return conv_in_fp8(lhs, rhs, params, out_dtype, only_eligible)
         dims = params["dimension_numbers"]
         return matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible)
 
-    @batchable.def_vmap
-    def batched(axis_size, in_batched, lhs, rhs):
-        in_axes = [0 if b else None for b in in_batched]
-        closed = jax.make_jaxpr(jax.vmap(plain, in_axes, axis_size=axis_size))(lhs, rhs)
-        hook = _Fp8Dots(scaling, out_dtype, only_eligible)
-        (out,), _ = evaluate(closed, [lhs, rhs], hook)
-        return out, True
-
-    return batchable
+    return batched_like(plain, op, _Fp8Dots(scaling, out_dtype, only_eligible))
 
 
 def fp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:

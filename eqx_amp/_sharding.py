@@ -20,7 +20,6 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
-from jax.custom_batching import custom_vmap
 from jaxtyping import PyTree
 
 from ._cast import cast_leaf, is_floating_array, widest_dtype
@@ -31,6 +30,7 @@ from ._jaxpr._evaluate import (
     Frame,
     Hook,
     Origin,
+    batched_like,
     cast_to,
     evaluate,
     is_higher_order,
@@ -147,13 +147,12 @@ def bind_reducing_gradients(
 
     op = _summing_gradients_in(bind, weights, reduce_dtype)
     if any(map(compat.is_batched, invals)):
-        # Under `jax.vmap` (an Equinox model is vmapped over the batch), a
-        # custom_vjp would be batched as it is: one weight gradient per example,
-        # summed afterwards in the compute dtype. Batching the op itself instead
-        # (by JAX's own rule, which folds the batch axis into a matmul) keeps the
-        # sum over the batch inside the derivative rule. (`custom_vmap` cannot be
-        # differentiated unbatched, so it is used only here.)
-        op = _batched_by_jax(bind, op, weights, reduce_dtype)
+        # An Equinox model is vmapped over the batch: the sum over it must stay
+        # inside the derivative rule, in the reduce dtype.
+        origins = [
+            Origin.PARAMS if i in weights else Origin.DATA for i in range(len(invals))
+        ]
+        op = batched_like(bind, op, ReduceInHook(reduce_dtype), origins)
     return [op(*invals)]
 
 
@@ -180,28 +179,6 @@ def _summing_gradients_in(
 
     op.defvjp(forward, backward)
     return op
-
-
-def _batched_by_jax(
-    bind: Callable, op: Callable, weights: frozenset[int], reduce_dtype: np.dtype
-) -> Callable:
-    @custom_vmap
-    def batchable(*operands):
-        return op(*operands)
-
-    @batchable.def_vmap
-    def batched(axis_size, in_batched, *operands):
-        in_axes = [0 if b else None for b in in_batched]
-        closed = jax.make_jaxpr(jax.vmap(bind, in_axes, axis_size=axis_size))(*operands)
-        origins = [
-            Origin.PARAMS if i in weights else Origin.DATA for i in range(len(operands))
-        ]
-        (out,), _ = evaluate(
-            closed, operands, ReduceInHook(reduce_dtype), origins=origins
-        )
-        return out, True
-
-    return batchable
 
 
 _BATCHED_AFTER_TRACING = (

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
+from jax.custom_batching import custom_vmap
 
 from .._cast import is_floating_array, is_floating_dtype
 from . import _compat as compat
@@ -243,6 +244,33 @@ def evaluate_function(
     outs, _ = evaluate(closed, leaves, hook, frame, origins)
     outs = [jnp.asarray(v) for v in cast_to(outs, [s.dtype for s in flat_shapes])]
     return eqx.combine(jtu.tree_unflatten(out_treedef, outs), static_out[0])
+
+
+def batched_like(
+    bind: Callable,
+    op: Callable,
+    hook: Hook,
+    origins: Sequence[Origin] | None = None,
+) -> Callable:
+    """`op`, a derivative rule around the one-output `bind`, for operands traced by
+    `jax.vmap`: batched, it is `bind` batched by JAX's own rule (which folds the
+    batch axis into a matmul) and evaluated under `hook`, which wraps it again. A
+    custom_vjp batched as it stands would compute per-example weight gradients and
+    per-example scales. (`custom_vmap` cannot be differentiated unbatched, so only
+    operands that are batched get this.)"""
+
+    @custom_vmap
+    def batchable(*operands):
+        return op(*operands)
+
+    @batchable.def_vmap
+    def batched(axis_size, in_batched, *operands):
+        in_axes = [0 if b else None for b in in_batched]
+        closed = jax.make_jaxpr(jax.vmap(bind, in_axes, axis_size=axis_size))(*operands)
+        (out,), _ = evaluate(closed, operands, hook, origins=origins)
+        return out, True
+
+    return batchable
 
 
 def leaf_origins(tree: Any, params_are: Callable[[Any], bool]) -> list[Origin]:
