@@ -28,6 +28,16 @@ from ._loss_scale import select_tree as select_tree
 from ._loss_scaling import LossScalingState as LossScalingState
 from ._loss_scaling import loss_scaling as loss_scaling
 from ._loss_scaling import scaled_value_and_grad as scaled_value_and_grad
+from ._moments import LowPrecisionMomentsState as LowPrecisionMomentsState
+from ._moments import QuantizedMoment as QuantizedMoment
+from ._moments import low_precision_moments as low_precision_moments
+from ._optimizers import KahanSummationState as KahanSummationState
+from ._optimizers import MasterWeights as MasterWeights
+from ._optimizers import MasterWeightsState as MasterWeightsState
+from ._optimizers import StochasticRoundingState as StochasticRoundingState
+from ._optimizers import kahan_summation as kahan_summation
+from ._optimizers import master_weights as master_weights
+from ._optimizers import stochastic_rounding as stochastic_rounding
 from ._policy import Policy as Policy
 from ._policy import default_policy as default_policy
 from ._policy import get_policy as get_policy
@@ -37,6 +47,7 @@ from ._report import PrecisionReport as PrecisionReport
 from ._report import find_nonfinite as find_nonfinite
 from ._report import precision_report as precision_report
 from ._sharding import gather_params as gather_params
+from ._updates import apply_updates as apply_updates
 
 
 try:

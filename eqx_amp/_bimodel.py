@@ -15,22 +15,23 @@ compute-dtype arrays and `None` everywhere else; leaves the filter spec keeps
 the whole model from the two.
 """
 
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
-from jaxtyping import PyTree
+from jaxtyping import PRNGKeyArray, PyTree
 
 from ._cast import (
     KEEP_OR_RESCALE,
-    at_least_float32,
     cast_all_but_state,
     describe_leaves,
     drop_state,
     is_floating_array,
-    is_inexact_array,
+    is_half_dtype,
     overflowing_leaves,
     warn_if_cast_overflows,
 )
@@ -39,6 +40,16 @@ from ._filters import FilterSpec, default_filter_spec, selection_mask
 from ._fp8 import Fp8Rule
 from ._grad import filter_grad, filter_value_and_grad
 from ._policy import Policy, resolve_policy
+from ._rounding import (
+    COMPENSATIONS,
+    Compensation,
+    check_compensated_dtype,
+    check_key,
+    kahan_add,
+    raw_key_data,
+    stochastic_round,
+)
+from ._updates import add_in_float32, is_none, paired_leaves
 from ._wrapper import check_callable
 
 
@@ -46,45 +57,11 @@ _NESTED_BIMODEL = (
     "`model` is already a `BiModel`. Pass `bimodel.master` to build a new one with "
     "another policy or filter spec."
 )
-_UPDATES_MISMATCH = (
-    "`updates` must have the structure of `bimodel.master` (the same containers, "
-    "module types and static fields), with `None` allowed in place of any subtree, "
-    "as `optimizer.update(grads, opt_state, eqx.filter(bimodel.master, "
-    "eqx.is_inexact_array))` returns it. The structure of `updates` does not "
-    "match. JAX reported: {}"
-)
-_UPDATE_FOR_NON_FLOAT = (
-    "`updates` has {} where `bimodel.master` has {}, which is not a floating array "
-    "and is never updated. Put `None` there (as `eqx.filter(..., "
-    "eqx.is_inexact_array)` and `eqx.filter_grad` do)."
-)
-_BAD_UPDATE = (
-    "`updates` must hold floating arrays (or `None`), one per floating array of "
-    "`bimodel.master`, with the same shape; it has {} where the master has an "
-    "array of dtype {} and shape {}."
-)
 _COMPUTE_MISMATCH = (
     "`compute` must have the structure of `bimodel.compute` (the structure of "
     "`bimodel.master`: the same containers, module types and static fields), but "
     "it does not."
 )
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
-def _first_line(error: Exception, limit: int = 200) -> str:
-    """The start of an error message from JAX, which can print a whole model."""
-    line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-    line = line.rstrip("(")  # JAX goes on to print the tree on the next lines.
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _describe(x: Any) -> str:
-    if eqx.is_array(x) or isinstance(x, np.ndarray):
-        return f"an array of dtype {x.dtype} and shape {tuple(x.shape)}"
-    return f"{type(x).__name__} {x!r}"
 
 
 class BiModel(eqx.Module):
@@ -179,6 +156,11 @@ class BiModel(eqx.Module):
     fp8_filter: Callable[[eqx.Module], bool] | None = eqx.field(
         static=True, default=None
     )
+    compensation: Compensation | None = eqx.field(static=True, default=None)
+    # Kahan: one buffer per leaf of `master`, of the master's dtype where it is
+    # bfloat16 and `None` elsewhere. Stochastic rounding: the raw key data.
+    _kahan: tuple[Any, ...] | None = eqx.field(default=None, repr=False)
+    _rounding_key: Any = eqx.field(default=None, repr=False)
 
     def __init__(
         self,
@@ -188,6 +170,8 @@ class BiModel(eqx.Module):
         filter_spec: FilterSpec | None = None,
         fp8: Fp8Rule | None = None,
         fp8_filter: Callable[[eqx.Module], bool] | None = None,
+        compensation: Compensation | None = None,
+        key: PRNGKeyArray | None = None,
     ):
         if isinstance(model, BiModel):
             raise TypeError(_NESTED_BIMODEL)
@@ -213,6 +197,10 @@ class BiModel(eqx.Module):
         filter_amp(lambda: None, fp8=fp8, fp8_filter=fp8_filter)
         self.fp8 = fp8
         self.fp8_filter = fp8_filter
+        self.compensation = compensation
+        self._kahan, self._rounding_key = _compensation_state(
+            master, policy, compensation, key
+        )
 
     @property
     def compute(self) -> PyTree:
@@ -307,35 +295,83 @@ class BiModel(eqx.Module):
         is too large for the master dtype. A `UserWarning` naming the leaves where
         one is too large for the compute dtype.
         """
-        update_leaves, update_def = jtu.tree_flatten(updates, is_leaf=_is_none)
-        try:
-            master_parts = update_def.flatten_up_to(self.master)
-        except (ValueError, TypeError) as e:
-            raise ValueError(_UPDATES_MISMATCH.format(_first_line(e))) from None
-        for update, leaf in zip(update_leaves, master_parts):
-            _check_update(update, leaf)
-
-        def add(update, leaf):
-            # In at least float32, rounded once to the master's dtype.
-            if update is None:
-                return leaf
-            wide = at_least_float32(leaf.dtype)
-            return leaf.astype(wide) + update.astype(wide)
-
-        wide_master = jtu.tree_map(add, updates, self.master, is_leaf=_is_none)
-        _check_master_fits(wide_master, self.policy, updated=True)
-        master = jtu.tree_map(
-            lambda new, old: new if new is old else new.astype(old.dtype),
-            wide_master,
-            self.master,
+        pairs = paired_leaves(updates, self.master, "bimodel.master")
+        # Updates may stop above the leaves (`None` for a whole submodule); the
+        # compensation buffers are per leaf, so work on the master's leaves.
+        update_def = jtu.tree_structure(updates, is_leaf=is_none)
+        master_leaves, master_def = jtu.tree_flatten(self.master)
+        leaf_updates = [
+            None if u is _NO_UPDATE else u
+            for u in jtu.tree_leaves(
+                update_def.unflatten(
+                    [
+                        jtu.tree_map(lambda _: _NO_UPDATE, part) if u is None else u
+                        for u, part in pairs
+                    ]
+                )
+            )
+        ]
+        wide = [
+            leaf if u is None else add_in_float32(leaf, u)
+            for u, leaf in zip(leaf_updates, master_leaves)
+        ]
+        _check_master_fits(
+            jtu.tree_unflatten(master_def, wide), self.policy, updated=True
         )
+        new_leaves, kahan, rounding_key = self._round_to_master(
+            leaf_updates, master_leaves, wide
+        )
+        master = jtu.tree_unflatten(master_def, new_leaves)
         _warn_if_compute_overflows(master, self.policy, self.filter_spec)
 
         compute_only = tuple(
             None if own is None else leaf.astype(own.dtype)
-            for own, leaf in zip(self._compute_only, jtu.tree_leaves(master))
+            for own, leaf in zip(self._compute_only, new_leaves)
         )
-        return self._replace(master, compute_only)
+        new = self._replace(master, compute_only)
+        if self.compensation is None:
+            return new
+        return eqx.tree_at(
+            lambda b: (b._kahan, b._rounding_key),
+            new,
+            (kahan, rounding_key),
+            is_leaf=is_none,
+        )
+
+    def _round_to_master(
+        self, updates: list, master: list, wide: list
+    ) -> tuple[list, tuple | None, Any]:
+        """The new master leaves: each `wide` sum rounded once to its leaf's dtype,
+        by the compensation this `BiModel` keeps, with its new state."""
+        if self.compensation == "kahan":
+            assert self._kahan is not None
+            new, kahan = [], []
+            for update, leaf, buffer, total in zip(updates, master, self._kahan, wide):
+                if update is None or buffer is None:
+                    new.append(total if total is leaf else total.astype(leaf.dtype))
+                    kahan.append(buffer)
+                else:
+                    leaf, buffer = kahan_add(leaf, update, buffer)
+                    new.append(leaf)
+                    kahan.append(buffer)
+            return new, tuple(kahan), self._rounding_key
+        if self.compensation == "stochastic":
+            next_key, step_key = jax.random.split(
+                jax.random.wrap_key_data(self._rounding_key)
+            )
+            keys = jax.random.split(step_key, max(len(master), 1))
+            new = [
+                stochastic_round(total, leaf.dtype, k)
+                if update is not None and _compensated(leaf)
+                else (total if total is leaf else total.astype(leaf.dtype))
+                for update, leaf, total, k in zip(updates, master, wide, keys)
+            ]
+            return new, self._kahan, jax.random.key_data(next_key)
+        new = [
+            total if total is leaf else total.astype(leaf.dtype)
+            for leaf, total in zip(master, wide)
+        ]
+        return new, self._kahan, self._rounding_key
 
     def value_and_grad(
         self,
@@ -416,7 +452,7 @@ class BiModel(eqx.Module):
             lambda b: (b.master, b._compute_only),
             self,
             (master, compute_only),
-            is_leaf=_is_none,
+            is_leaf=is_none,
         )
 
 
@@ -464,18 +500,71 @@ def _warn_if_compute_overflows(
     )
 
 
-def _check_update(update: Any, leaf: Any) -> None:
-    if update is None:
-        return
-    # Complex parameters are differentiated and updated like real ones.
-    if not is_inexact_array(leaf):
+# Stands for "no update" at every leaf under a `None` of `updates`.
+_NO_UPDATE = object()
+
+
+def _compensated(leaf: Any) -> bool:
+    return is_floating_array(leaf) and leaf.dtype.itemsize < 4
+
+
+def _compensation_state(
+    master: PyTree,
+    policy: Policy,
+    compensation: Compensation | None,
+    key: PRNGKeyArray | None,
+) -> tuple[tuple[Any, ...] | None, Any]:
+    """The Kahan buffers or the rounding key a new `BiModel` starts with."""
+    dtype = policy.param_dtype
+    if compensation is None:
+        if key is not None:
+            raise ValueError(
+                '`key` is for `compensation="stochastic"`, but no compensation '
+                "was asked for."
+            )
+        if is_half_dtype(dtype):
+            fix = (
+                'Pass `compensation="kahan"` or `compensation="stochastic"`, or keep '
+                "a float32 master."
+                if dtype == jnp.bfloat16
+                else 'Keep a float32 master (`policy="mixed_float16"`).'
+            )
+            warnings.warn(
+                f"The master weights are stored in {dtype.name} without "
+                "compensation: an update smaller than about "
+                f"2^-{jnp.finfo(dtype).nmant + 2} of its weight rounds away, so "
+                f"training stalls once the steps are small. {fix}",
+                stacklevel=5,
+            )
+        return None, None
+    if compensation not in COMPENSATIONS:
         raise ValueError(
-            _UPDATE_FOR_NON_FLOAT.format(_describe(update), _describe(leaf))
-        ) from None
-    if not is_inexact_array(update) or update.shape != leaf.shape:
+            "`compensation` must be one of "
+            f"{', '.join(map(repr, COMPENSATIONS))} or None, but got "
+            f"{compensation!r}."
+        )
+    check_compensated_dtype(dtype, "The policy")
+    if not is_half_dtype(dtype):
         raise ValueError(
-            _BAD_UPDATE.format(_describe(update), leaf.dtype, tuple(leaf.shape))
-        ) from None
+            f"`compensation={compensation!r}` is for a bfloat16 master, but the "
+            f"policy keeps the master in {dtype.name}, which loses no updates. For "
+            'a bfloat16 master use a policy such as `"p=bf16,c=bf16,o=f32"`.'
+        )
+    if compensation == "stochastic":
+        if key is None:
+            raise TypeError(
+                '`compensation="stochastic"` needs a PRNG key to draw its '
+                "roundings from: `BiModel(..., key=jax.random.key(0))`."
+            )
+        check_key(key, '`compensation="stochastic"`')
+        return None, jnp.array(raw_key_data(key), copy=True)
+    if key is not None:
+        raise ValueError('`key` is for `compensation="stochastic"`, not "kahan".')
+    kahan = tuple(
+        jnp.zeros_like(leaf) if _compensated(leaf) else None
+        for leaf in jtu.tree_leaves(master)
+    )
+    return kahan, None
 
 
 class _OnCompute(eqx.Module):

@@ -7,6 +7,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -226,7 +227,8 @@ def _promote(dtypes: frozenset[np.dtype]) -> np.dtype:
 
 def at_least_float32(dtype: Any) -> np.dtype:
     """`dtype` widened to float32 if it is narrower (float64 stays float64)."""
-    return widest_dtype([dtype, jnp.float32])
+    # `_promote` itself: `widest_dtype` may return `None`, which two dtypes never give.
+    return _promote(frozenset({jnp.dtype(dtype), jnp.dtype(jnp.float32)}))
 
 
 def cast_all_but_state(

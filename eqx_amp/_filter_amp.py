@@ -6,7 +6,7 @@ import operator
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import equinox as eqx
 import jax
@@ -451,15 +451,38 @@ def _check_coverage_once(
     )
 
 
+@overload
 def filter_amp(
-    fn: _F = _sentinel,
+    fn: _F,
     *,
     policy: Policy | str | None = None,
     filter_spec: FilterSpec | None = None,
     arg_spec: FilterSpec | None = None,
     fp8: Fp8Rule | None = None,
     fp8_filter: Callable[[eqx.Module], bool] | None = None,
-) -> _F:
+) -> _F: ...
+
+
+@overload
+def filter_amp(
+    *,
+    policy: Policy | str | None = None,
+    filter_spec: FilterSpec | None = None,
+    arg_spec: FilterSpec | None = None,
+    fp8: Fp8Rule | None = None,
+    fp8_filter: Callable[[eqx.Module], bool] | None = None,
+) -> Callable[[_F], _F]: ...
+
+
+def filter_amp(
+    fn: Callable = _sentinel,
+    *,
+    policy: Policy | str | None = None,
+    filter_spec: FilterSpec | None = None,
+    arg_spec: FilterSpec | None = None,
+    fp8: Fp8Rule | None = None,
+    fp8_filter: Callable[[eqx.Module], bool] | None = None,
+) -> Callable:
     """Runs `fn` in mixed precision, casting at its call boundary.
 
     On each call, the floating leaves of `fn` that `filter_spec` selects and every
@@ -583,7 +606,15 @@ class _FullPrecisionScope:
         return full_precision(fn)
 
 
-def full_precision(fn: _F | None = None) -> _F | _FullPrecisionScope:
+@overload
+def full_precision(fn: _F) -> _F: ...
+
+
+@overload
+def full_precision(fn: None = None) -> _FullPrecisionScope: ...
+
+
+def full_precision(fn: Callable | None = None) -> Callable | _FullPrecisionScope:
     """Runs a function in float32 inside mixed-precision code.
 
     As a decorator (`@full_precision` or `full_precision(fn)`), `fn` runs in float32:

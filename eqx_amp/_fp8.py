@@ -260,7 +260,11 @@ class _Fp8Dots(Hook):
         if eqn.primitive in FP8_PRIMITIVES:
             return [
                 product_in_fp8(
-                    eqn, *invals, self.scaling, self.out_dtype, self.only_eligible
+                    eqn,
+                    *invals,
+                    scaling=self.scaling,
+                    out_dtype=self.out_dtype,
+                    only_eligible=self.only_eligible,
                 )
             ]
         return evaluate(invals)
@@ -283,7 +287,11 @@ def matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible: bool) -> Ar
     """An fp8 matmul; with `only_eligible`, shapes an fp8 GEMM cannot take run in
     `out_dtype` instead, under a named scope that gives the reason. Under
     `jax.vmap` the shapes decided on are the batched ones."""
-    dims = tuple(tuple(tuple(d) for d in pair) for pair in dims)
+    (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dims
+    dims = (
+        (tuple(lhs_contracting), tuple(rhs_contracting)),
+        (tuple(lhs_batch), tuple(rhs_batch)),
+    )
     if compat.is_batched(lhs) or compat.is_batched(rhs):
         params = {"dimension_numbers": dims}
         return _batched_as_one(
@@ -413,5 +421,13 @@ class Fp8ParamsHook(Hook):
         )
         if eqn.primitive in FP8_PRIMITIVES and reads_params:
             out_dtype = eqn.outvars[0].aval.dtype
-            return [product_in_fp8(eqn, *invals, self.scaling, out_dtype, True)]
+            return [
+                product_in_fp8(
+                    eqn,
+                    *invals,
+                    scaling=self.scaling,
+                    out_dtype=out_dtype,
+                    only_eligible=True,
+                )
+            ]
         return evaluate(invals)

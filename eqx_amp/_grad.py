@@ -4,7 +4,7 @@ import functools as ft
 import inspect
 import operator
 from collections.abc import Callable, Hashable
-from typing import Any, Literal, NamedTuple, overload
+from typing import Any, Literal, NamedTuple, TypeAlias, cast, overload
 
 import equinox as eqx
 import jax
@@ -158,7 +158,10 @@ def _redo_until_finite(attempt: Callable, loss_scale: AbstractLossScale, redo: i
     that the forward and backward passes are compiled once. The user's loss is
     traced once: the loop body evaluates the traced program."""
     attempt = eqx.filter_closure_convert(attempt, loss_scale)
-    out_dynamic_struct, out_static = eqx.partition(attempt.out_struct, _is_struct)
+    # Typed as a plain callable, what `filter_closure_convert` returns is a module
+    # that also holds the structure of its output.
+    out_struct = cast(Any, attempt).out_struct
+    out_dynamic_struct, out_static = eqx.partition(out_struct, _is_struct)
     scale_dynamic, scale_static = eqx.partition(loss_scale, eqx.is_array)
 
     def cond(carry):
@@ -235,7 +238,7 @@ class _ScaledValueAndGradWrapper(FunctionWrapper):
             )
         if len(args) == 0:
             raise TypeError(_NO_POSITIONAL)
-        x, *args = args
+        x, *rest = args
         attempt = ft.partial(
             _value_and_scaled_grad,
             self.fn,
@@ -243,7 +246,7 @@ class _ScaledValueAndGradWrapper(FunctionWrapper):
             self._axis_name,
             self._average,
             x,
-            tuple(args),
+            tuple(rest),
             kwargs,
         )
         # Recomputing with a scale that `adjust` does not change would give the same
@@ -273,16 +276,19 @@ class ScaledStep(NamedTuple):
 
 
 class _ScaledGradWrapper(FunctionWrapper):
-    fn: _ScaledValueAndGradWrapper
+    # A field is an instance attribute: `self.fn` is the wrapper itself. The checker
+    # takes it for a method (`fn` is a `Callable` in the base class) bound on access
+    # by `FunctionWrapper.__get__`, to an `eqx.Partial`.
+    fn: _ScaledValueAndGradWrapper  # pyright: ignore[reportIncompatibleMethodOverride]
     _has_aux: bool = eqx.field(static=True)
 
     @property
     def __wrapped__(self):
-        return self.fn.__wrapped__
+        return self.fn.__wrapped__  # pyright: ignore[reportAttributeAccessIssue]
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return self.fn.__signature__
+        return self.fn.__signature__  # pyright: ignore[reportAttributeAccessIssue]
 
     def __call__(self, /, *args, **kwargs):
         (value, grads), new_loss_scale, grads_finite = self.fn(*args, **kwargs)
@@ -338,7 +344,7 @@ def _check_options(
     return redo_on_nan
 
 
-_Grads = PyTree[Float[Array, "..."] | None]
+_Grads: TypeAlias = PyTree[Float[Array, "..."] | None]
 
 
 @overload
@@ -403,6 +409,17 @@ def filter_value_and_grad(
         tuple[tuple[Float[Array, ""], Any], _Grads], AbstractLossScale, Bool[Array, ""]
     ],
 ]: ...
+
+
+@overload  # `has_aux` known only as a bool
+def filter_value_and_grad(
+    fun: Callable = ...,
+    *,
+    has_aux: bool = False,
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+    average: bool = True,
+) -> Callable: ...
 
 
 def filter_value_and_grad(
@@ -580,7 +597,7 @@ def filter_grad(
     ```
     """
     redo_on_nan = _check_options(has_aux, redo_on_nan, axis_name, average)
-    options = dict(
+    options: dict[str, Any] = dict(
         has_aux=has_aux, redo_on_nan=redo_on_nan, axis_name=axis_name, average=average
     )
     if fun is _sentinel:

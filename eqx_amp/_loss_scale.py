@@ -19,6 +19,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -58,9 +59,7 @@ def _scalar_array(value: Any, dtype: Any, argname: str) -> Array:
     """`value` as a scalar array of `dtype`; the argument is named on error. A
     Python or NumPy number is checked before conversion, so that a value the dtype
     cannot hold is reported as given, not as what it became."""
-    is_number = isinstance(value, (numbers.Real, np.integer, np.floating)) and not (
-        isinstance(value, (bool, np.bool_))
-    )
+    is_number = _is_real_number(value)
     is_real_array = eqx.is_array(value) and (
         jnp.issubdtype(value.dtype, jnp.integer)
         or jnp.issubdtype(value.dtype, jnp.floating)
@@ -81,6 +80,14 @@ def _scalar_array(value: Any, dtype: Any, argname: str) -> Array:
             f"{tuple(array.shape)}."
         )
     return array
+
+
+def _is_real_number(value: Any) -> bool:
+    # A predicate of its own: inline, the `isinstance` narrowing of `value` would
+    # leak into the array checks of `_scalar_array`.
+    return isinstance(value, (numbers.Real, np.integer, np.floating)) and not (
+        isinstance(value, (bool, np.bool_))
+    )
 
 
 _FLOAT32 = np.finfo(np.float32)
@@ -306,8 +313,10 @@ class NoOpLossScale(_AbstractFixedLossScale):
     ```
     """
 
+    # A property may implement an `AbstractVar` (Equinox allows it; the checker
+    # compares it with the annotation as a field).
     @property
-    def loss_scale(self) -> Float[Array, ""]:
+    def loss_scale(self) -> Float[Array, ""]:  # pyright: ignore[reportIncompatibleVariableOverride]
         return jnp.ones((), jnp.float32)
 
     def scale(self, tree: PyTree) -> PyTree:

@@ -2,7 +2,7 @@
 from a float32 one, as with Keras' `LossScaleOptimizer`."""
 
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import equinox as eqx
 import jax
@@ -143,7 +143,13 @@ def loss_scaling(
         )
         return updates, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # optax types a state as a nest of arrays (`OptState`); this one also holds the
+    # loss scale, an `eqx.Module`. (`update_fn` also names its first argument
+    # `grads`, where optax's protocol says `updates`.)
+    return optax.GradientTransformationExtraArgs(
+        cast(optax.TransformInitFn, init_fn),
+        cast(optax.TransformUpdateExtraArgsFn, update_fn),
+    )
 
 
 _NOT_OUR_STATE = (
@@ -183,18 +189,21 @@ def _with_loss_scale(opt_state: PyTree, loss_scale: AbstractLossScale) -> PyTree
 
 
 class _StateScaledValueAndGrad(FunctionWrapper):
-    fn: Callable  # an `eqx_amp.filter_value_and_grad` of the loss
+    # An `eqx_amp.filter_value_and_grad` of the loss. Typed `Callable` (under its own
+    # type the checker would bind it like a method, as in `_ScaledGradWrapper`), it
+    # is taken for a plain function: reading its attributes waives that rule.
+    fn: Callable
     opt_state: PyTree
     _returns_state: bool = eqx.field(static=True)
 
     @property
     def __wrapped__(self) -> Callable:
         # The loss itself, whose signature this has (no `loss_scale` keyword).
-        return self.fn.__wrapped__
+        return self.fn.__wrapped__  # pyright: ignore[reportFunctionMemberAccess]
 
     def __call__(self, /, *args, **kwargs):
         loss_scale = _loss_scaling_state(self.opt_state).loss_scale
-        step = self.fn.step(args, kwargs, loss_scale)
+        step = self.fn.step(args, kwargs, loss_scale)  # pyright: ignore[reportFunctionMemberAccess]
         if not self._returns_state:
             return step.value, step.grads
         # The scale that gave these gradients: `update` adjusts it by their finiteness.

@@ -8,6 +8,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -503,9 +504,8 @@ def _describe_op(eqn: Any, frame: Frame, invals: list, bad: Any) -> NonfiniteOp:
         input_dtypes=in_dtypes,
         input_ranges=ranges,
         output_dtype=out_dtype.name,
-        dtype_max=float(jnp.finfo(out_dtype).real.max)
-        if jnp.issubdtype(out_dtype, jnp.complexfloating)
-        else float(jnp.finfo(out_dtype).max),
+        # `finfo` of a complex dtype describes its real and imaginary parts.
+        dtype_max=float(jnp.finfo(out_dtype).max),
         hint=_hint(eqn.primitive.name, in_dtypes, out_dtype),
     )
 

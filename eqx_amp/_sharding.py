@@ -80,6 +80,7 @@ class _SumIn(Hook):
             target = widest_dtype(dtypes)
         else:
             return evaluate(invals)
+        assert target is not None  # promoted from one dtype or more
         return evaluate(cast_to(invals, [target] * len(invals)), dict(eqn.params))
 
 

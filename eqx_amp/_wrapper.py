@@ -1,5 +1,6 @@
 """The base of the callables eqx_amp returns."""
 
+import abc
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,9 @@ class FunctionWrapper(eqx.Module):
     (for `eqx.module_update_wrapper`), and bind as methods when stored on a class."""
 
     fn: eqx.AbstractVar[Callable]
+
+    @abc.abstractmethod
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any: ...
 
     @property
     def __wrapped__(self) -> Callable:

@@ -513,7 +513,7 @@ def test_bad_updates_raise_and_change_nothing():
         ValueError,
         match=r"^`updates` must hold floating arrays \(or `None`\), one per floating "
         r"array of `bimodel\.master`, with the same shape; it has an array of dtype "
-        r"float32 and shape \(3,\) where the master has an array of dtype float32 "
+        r"float32 and shape \(3,\) where `bimodel\.master` has an array of dtype float32 "
         r"and shape \(64,\)\.$",
     ):
         bimodel.apply_updates(wrong_shape)
@@ -577,7 +577,8 @@ def test_a_master_dtype_too_small_for_a_weight_raises(getkey):
         r"\.layers\[0\]\.weight: storing it would give inf",
     ):
         eqx_amp.BiModel(model, policy="float16")
-    bimodel = eqx_amp.BiModel(_with_large_weight(getkey, 6e4), policy="float16")
+    with pytest.warns(UserWarning, match=r"2\^-12 of its weight .* float32 master"):
+        bimodel = eqx_amp.BiModel(_with_large_weight(getkey, 6e4), policy="float16")
     params = eqx.filter(bimodel.master, eqx.is_inexact_array)
     updates = jax.tree_util.tree_map(lambda x: jnp.full_like(x, 1e4), params)
     with pytest.raises(ValueError, match=r"after this update"):

@@ -110,3 +110,22 @@ def test_fp8_training_tracks_bfloat16_and_the_ablation_does_not():
         bf16, fp8 = rows[(task, "bf16")], rows[(task, "fp8")]
         assert abs(fp8 - bf16) < 0.05 * bf16
         assert rows[(task, "fp8, no scaling")] > 1.2 * bf16
+
+
+def test_low_precision_state_halves_the_state_and_tracks_the_float32_master():
+    pytest.importorskip("sklearn")
+    out = _run_example("low_precision_state.py", "--seeds", "1", "--steps", "40")
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("| digits") or line.startswith("| char"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[(cells[0], cells[1])] = (float(cells[2]), float(cells[3].split()[0]))
+    for task in ("digits CNN", "char transformer"):
+        per_weight = {name: rows[(task, name)][0] for t, name in rows if t == task}
+        assert per_weight["f32"] == 12.0
+        assert 13.9 <= per_weight["AMP, f32 master"] <= 14.0
+        assert per_weight["bf16 + Kahan, bf16 moments"] <= 8.01
+        assert per_weight["bf16 + SR, 8-bit moments"] <= 4.1
+        master = rows[(task, "AMP, f32 master")][1]
+        for name in ("bf16 + Kahan, bf16 moments", "bf16 + SR, 8-bit moments"):
+            assert abs(rows[(task, name)][1] - master) < 0.05 * master, (task, name)

@@ -43,7 +43,7 @@ if [[ "$version" == newest ]]; then
 else
     pins=("jax==${version}")
 fi
-"$venv/bin/pip" install -q -e ".[test,examples]" "${pins[@]}"
+"$venv/bin/pip" install -q -e ".[test,examples,docs,flax,orbax]" "${pins[@]}"
 "$venv/bin/python" - <<'PY'
 import sys, jax
 print(f"check_jax: testing jax {jax.__version__} on Python {sys.version.split()[0]}")

@@ -1,8 +1,9 @@
 """`autocast`: op-level mixed precision for any JAX function."""
 
 import functools as ft
+import sys
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import equinox as eqx
 
@@ -38,10 +39,10 @@ class _AutocastWrapper(FunctionWrapper):
                 "compute dtype at bfloat16 and ask for fp8 with the rule."
             )
         hook = AutocastHook(self.rules, policy.compute_dtype, policy.reduce_dtype)
-        # The arrays of Equinox modules (`fn` itself, or arguments) are parameters:
-        # they follow the activations they meet.
+        # The arrays of Equinox modules (`fn` itself, or arguments) and of Flax NNX
+        # states are parameters: they follow the activations they meet.
         return evaluate_function(
-            _call, (self.fn, args, kwargs), hook, params_are=_is_module
+            _call, (self.fn, args, kwargs), hook, params_are=_holds_params
         )
 
 
@@ -49,12 +50,42 @@ def _is_module(node: Any) -> bool:
     return isinstance(node, eqx.Module)
 
 
+def _holds_params(node: Any) -> bool:
+    """Equinox modules, and Flax NNX's `State` and `Variable` (what `nnx.split`
+    returns). Flax is never imported here: if the program passes NNX containers, it
+    has imported Flax already."""
+    if isinstance(node, eqx.Module):
+        return True
+    nnx = sys.modules.get("flax.nnx")
+    containers = tuple(
+        t for t in (getattr(nnx, "State", None), getattr(nnx, "Variable", None)) if t
+    )
+    return bool(containers) and isinstance(node, containers)
+
+
+@overload
 def autocast(
-    fn: _F = _sentinel,
+    fn: _F,
     *,
     policy: Policy | str | None = None,
     rules: Mapping[Any, Any] | None = None,
-) -> _F:
+) -> _F: ...
+
+
+@overload
+def autocast(
+    *,
+    policy: Policy | str | None = None,
+    rules: Mapping[Any, Any] | None = None,
+) -> Callable[[_F], _F]: ...
+
+
+def autocast(
+    fn: Callable = _sentinel,
+    *,
+    policy: Policy | str | None = None,
+    rules: Mapping[Any, Any] | None = None,
+) -> Callable:
     """Runs `fn` with op-level mixed precision, like `torch.autocast`.
 
     `fn` is traced to a jaxpr, which is re-evaluated op by op: each primitive's
@@ -105,7 +136,9 @@ def autocast(
     check_callable(fn, "autocast")
     if policy is not None:
         policy = get_policy(policy)
-    if isinstance(fn, eqx.Module):
+    # Not `isinstance`: the checker would narrow `fn` to a Module it no longer
+    # knows to be callable.
+    if _is_module(fn):
         # Matmuls read the weights in the compute dtype.
         warn_if_cast_overflows(
             fn,

@@ -119,7 +119,15 @@ class _JaxprCasts(Hook):
         out_dtype = params.get("preferred_element_type") or widest_dtype(
             v.dtype for v in invals
         )
-        return [product_in_fp8(eqn, *invals, rule.scaling, out_dtype, True)]
+        return [
+            product_in_fp8(
+                eqn,
+                *invals,
+                scaling=rule.scaling,
+                out_dtype=out_dtype,
+                only_eligible=True,
+            )
+        ]
 
 
 class _CastCache:

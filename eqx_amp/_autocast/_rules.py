@@ -75,7 +75,8 @@ class BuiltinRule:
     """One of `LOW`, `FULL`, `PROMOTE`, `KEEP`. Built-in rules are themselves
     callables with the jaxamp signature, so user rules can wrap them."""
 
-    def __init__(self, name: str, target: Callable, doc: str):
+    # `target` is `None` for a subclass that overrides `cast`.
+    def __init__(self, name: str, target: Callable | None, doc: str | None):
         self.name = name
         self._target = target
         self.__doc__ = doc
@@ -92,9 +93,11 @@ class BuiltinRule:
         and `cast(value, dtype, origin)` does the casting (autocast passes one that
         casts each value once)."""
         cast = _cast if cast is None else cast
+        target = self._target
+        assert target is not None, "a rule without a target must override `cast`"
         deciding = promotion_dtypes(invals, follows_activations(origins))
         targets = [
-            self._target(compute_dtype, original, value.dtype, deciding)
+            target(compute_dtype, original, value.dtype, deciding)
             if is_floating_array(value)
             else None
             for value, original in zip(invals, original_dtypes)
@@ -167,11 +170,23 @@ def _full_for_float16(compute_dtype, original_dtypes, *invals, **params):
     return list(invals), params
 
 
+def _square_in_full(compute_dtype, original_dtypes, *invals, **params):
+    """`x**2` is a square (see `lax.square_p` below): float32. Other powers (`x**3`
+    in GELU) have float16's range for trouble, not its precision."""
+    if params.get("y") == 2:
+        return FULL(compute_dtype, original_dtypes, *invals, **params)
+    return _full_for_float16(compute_dtype, original_dtypes, *invals, **params)
+
+
 _FULL_PRIMITIVES = (
     lax.exp_p, lax.exp2_p, lax.expm1_p, lax.log_p, lax.log1p_p, lax.pow_p,
     lax.rsqrt_p, lax.tan_p, lax.sinh_p, lax.cosh_p, lax.asin_p, lax.acos_p,
     lax.erf_inv_p, lax.reduce_sum_p, lax.reduce_prod_p, lax.cumsum_p, lax.cumprod_p,
     lax.cumlogsumexp_p,
+    # A variance as E[x^2] - E[x]^2 cancels: squares rounded to bfloat16 (2^-9) are
+    # off by more than the variance once the mean is ~16x the spread (a norm layer
+    # that does not compute in float32 itself, such as Flax's).
+    lax.square_p,
 )  # fmt: skip
 # Decompositions and solves: LAPACK and cuSOLVER have no half-precision kernels, and
 # their results are ill-conditioned in half precision anyway (PyTorch's autocast
@@ -205,7 +220,8 @@ def _default_rules() -> dict[Any, Any]:
     rules[lax.gather_p] = LOOKUP
     rules[lax.dynamic_slice_p] = LOOKUP
     rules[lax.logistic_p] = _full_for_float16
-    rules[lax.integer_pow_p] = _full_for_float16
+    rules[lax.integer_pow_p] = _square_in_full
+
     for scope in NORM_SCOPES:
         rules[scope] = FULL
     rules[FULL_PRECISION_SCOPE] = KEEP

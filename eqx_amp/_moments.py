@@ -1,0 +1,313 @@
+"""Optimizer moments stored in low precision: `eqx_amp.low_precision_moments`.
+
+Adam keeps two float32 moments per weight: 8 bytes, more than the weight and its
+gradient together in mixed precision. Stored in bfloat16 they cost 4 bytes, and 8-bit
+blockwise-quantised about 2 (as bitsandbytes and torchao do it). The wrapped optimizer
+still computes in float32: each step decodes the moments, runs the optimizer, and
+encodes the new moments.
+
+Two things keep the compressed moments honest:
+
+- Stochastic rounding when encoding. Adam's second moment moves by 0.1% a step
+    (`b2 = 0.999`), less than half a bfloat16 ulp (0.4%), so with nearest rounding it
+    could never decay: once a large gradient has raised it, the step size stays small
+    for good. Rounding up or down at random with the right odds keeps every moment
+    unbiased.
+- Second moments (non-negative: Adam's `nu`, ...) are stored as their square roots,
+    which span half the decades: a block of 8-bit codes then resolves values down to
+    1e-14 of its largest, where a signed code of the moment itself would flush the
+    small ones to zero and blow up their steps.
+"""
+
+import math
+from typing import Any, Literal, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import optax
+from jaxtyping import Array, Float, Int, PRNGKeyArray, UInt32
+
+from ._optimizers import KahanSummationState, check_optimizer
+from ._rounding import check_key, raw_key_data, stochastic_round
+
+
+MomentStorage = Literal["bfloat16", "8bit"]
+MOMENT_STORAGES: tuple[MomentStorage, ...] = ("bfloat16", "8bit")
+
+# optax's names for moments that are never negative (second moments and sums of
+# squares): Adam/AdamW/AdaBelief/RMSProp's `nu`, AMSGrad's `nu_max`, Adagrad's
+# `sum_of_squares`, Adafactor's factored `v_row`/`v_col`.
+NONNEGATIVE_MOMENTS = frozenset({"nu", "nu_max", "sum_of_squares", "v_row", "v_col"})
+
+
+def _dynamic_map(signed: bool) -> np.ndarray:
+    """The 8-bit dynamic quantisation map: code values in [-1, 1] (or [0, 1]),
+    dense near the top of each decade and spanning seven (eight) decades.
+
+    A code spends its bits on an exponent (a decade, 10^-e) and a linear fraction
+    within it: the top decade gets the most points, each lower decade half as many,
+    down to a single point. Values relative to their block's largest are what is
+    encoded, so large values keep ~1% precision and small ones keep their order of
+    magnitude instead of flushing to zero.
+    """
+    decades = 7 if signed else 8
+    magnitudes = [0.0]
+    for e in range(decades):
+        points = 2 ** (decades - 1 - e)
+        low, high = 10.0 ** -(e + 1), 10.0**-e
+        magnitudes += [low + (high - low) * (k + 1) / points for k in range(points)]
+    values = np.array(magnitudes, np.float32)
+    if signed:
+        values = np.concatenate([-values[1:], values])
+    return np.sort(values)
+
+
+_SIGNED_MAP = _dynamic_map(signed=True)  # 255 codes
+_UNSIGNED_MAP = _dynamic_map(signed=False)  # 256 codes
+
+
+class QuantizedMoment(eqx.Module):
+    """One optimizer moment stored in low precision (a leaf of the wrapped state
+    inside a `LowPrecisionMomentsState`).
+
+    **Fields:**
+
+    - `values`: bfloat16 values, or uint8 codes into the dynamic map; the moment's
+        shape either way (so a sharded moment keeps its sharding).
+    - `scales`: for 8-bit storage, the float32 largest magnitude of each block of
+        `block_size` consecutive elements (row-major); `None` for bfloat16.
+    - `square_root`: whether the square root of the (non-negative) moment is stored.
+    """
+
+    values: Array
+    scales: Array | None
+    square_root: bool = eqx.field(static=True)
+    block_size: int = eqx.field(static=True)
+
+    def decode(self) -> Float[Array, "..."]:
+        """The moment in float32, what the wrapped optimizer computes in."""
+        if self.scales is None:
+            stored = self.values.astype(jnp.float32)
+        else:
+            table = jnp.asarray(_UNSIGNED_MAP if self.square_root else _SIGNED_MAP)
+            normalised = _blocks(table[self.values], self.block_size)
+            stored = _unblock(normalised * self.scales[:, None], self.values.shape)
+        return stored * stored if self.square_root else stored
+
+
+def encode(
+    moment: Array,
+    storage: MomentStorage,
+    square_root: bool,
+    block_size: int,
+    key: PRNGKeyArray,
+) -> QuantizedMoment:
+    """`moment` stored as `storage`, rounded stochastically."""
+    x = moment.astype(jnp.float32)
+    if square_root:
+        # Non-negative in exact arithmetic; rounding may leave a -0.0 or a tiny
+        # negative, which must not become a NaN.
+        x = jnp.sqrt(jnp.maximum(x, 0.0))
+    if storage == "bfloat16":
+        values = stochastic_round(x, jnp.bfloat16, key)
+        return QuantizedMoment(values, None, square_root, block_size)
+    blocks = _blocks(x, block_size)
+    scales = jnp.max(jnp.abs(blocks), axis=1)
+    normalised = blocks / jnp.where(scales > 0, scales, 1.0)[:, None]
+    table = jnp.asarray(_UNSIGNED_MAP if square_root else _SIGNED_MAP)
+    codes = _round_to_table(normalised, table, key).astype(jnp.uint8)
+    values = _unblock(codes, moment.shape)
+    return QuantizedMoment(values, scales, square_root, block_size)
+
+
+def _round_to_table(x: Array, table: Array, key: PRNGKeyArray) -> Array:
+    """The index of the entry of the sorted `table` just below or just above each
+    value of `x` (inside the table's range), chosen at random so that the expected
+    entry is the value."""
+    above = jnp.clip(jnp.searchsorted(table, x), 1, table.shape[0] - 1)
+    below = above - 1
+    low, high = table[below], table[above]
+    up_probability = jnp.clip((x - low) / (high - low), 0.0, 1.0)
+    up = jax.random.uniform(key, x.shape) < up_probability
+    return jnp.where(up, above, below)
+
+
+def _blocks(x: Array, block_size: int) -> Array:
+    flat = x.reshape(-1)
+    padding = -flat.shape[0] % block_size
+    return jnp.pad(flat, (0, padding)).reshape(-1, block_size)
+
+
+def _unblock(blocks: Array, shape: tuple[int, ...]) -> Array:
+    return blocks.reshape(-1)[: math.prod(shape)].reshape(shape)
+
+
+class LowPrecisionMomentsState(NamedTuple):
+    """The state of `eqx_amp.low_precision_moments(optimizer, ...)`.
+
+    **Fields:**
+
+    - `count`: steps so far (int32); with `key`, what each step's stochastic
+        rounding is drawn from, so runs are reproducible and resume exactly.
+    - `key`: the raw data of the PRNG key (`jax.random.key_data`).
+    - `inner_state`: the wrapped optimizer's state, with each moment stored as a
+        `QuantizedMoment`.
+    """
+
+    # optax's own states name their step counter `count` too (`ScaleByAdamState`).
+    count: Int[Array, ""]  # pyright: ignore[reportIncompatibleMethodOverride]
+    key: UInt32[Array, "..."]
+    inner_state: Any
+
+
+def _is_moment(node: Any) -> bool:
+    return isinstance(node, QuantizedMoment)
+
+
+def _compressible(leaf: Any) -> bool:
+    # Per-weight state: floating arrays with a dimension (optax keeps the moments of
+    # bfloat16 weights in bfloat16, rounded to nearest: those are re-stored too).
+    # Scalars (counts, loss scales, hyperparameters) stay as they are.
+    return (
+        isinstance(leaf, jax.Array)
+        and jnp.issubdtype(leaf.dtype, jnp.floating)
+        and leaf.ndim >= 1
+    )
+
+
+def _is_kept(node: Any) -> bool:
+    # A Kahan buffer holds what rounding lost, below the weight's last bit: it is
+    # exact in the weight's dtype, and coarser storage would lose it again.
+    return isinstance(node, KahanSummationState)
+
+
+def _is_nonnegative(path: tuple) -> bool:
+    return any(
+        isinstance(k, jtu.GetAttrKey) and k.name in NONNEGATIVE_MOMENTS for k in path
+    )
+
+
+def low_precision_moments(
+    optimizer: optax.GradientTransformation,
+    storage: MomentStorage = "bfloat16",
+    *,
+    key: PRNGKeyArray | None = None,
+    block_size: int = 256,
+) -> optax.GradientTransformationExtraArgs:
+    """Stores an optax optimizer's moments in bfloat16 or in 8 bits per value.
+
+    Every per-weight float32 array of the wrapped optimizer's state (Adam's `mu`
+    and `nu`, momentum traces, ...) is stored compressed between steps; the wrapped
+    optimizer runs in float32 on decoded copies, so any optax optimizer, chain or
+    schedule works unchanged. Second moments (`nu`, `nu_max`, `sum_of_squares`,
+    `v_row`, `v_col`) are stored as their square roots. Encoding rounds
+    stochastically, so the moments stay unbiased however small a step's change.
+
+    - `"bfloat16"`: 2 bytes per value (float32's range, 8 significant bits).
+    - `"8bit"`: 1 byte per value plus a float32 scale per block of `block_size`
+        values: each value is divided by its block's largest magnitude and rounded
+        to one of 256 points of a dynamic map spanning seven decades (as
+        bitsandbytes' 8-bit optimizers do).
+
+    Adam's state then costs 4 (bfloat16) or about 2.03 (8-bit) bytes per weight
+    instead of 8.
+
+    **Arguments:**
+
+    - `optimizer`: any optax optimizer.
+    - `storage`: `"bfloat16"` or `"8bit"`.
+    - `key`: the PRNG key the roundings are drawn from; `None` means
+        `jax.random.key(0)`.
+    - `block_size`: values per 8-bit block (256).
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs` whose state is a
+    `LowPrecisionMomentsState`.
+
+    **Raises:**
+
+    `TypeError` for an `optimizer` without `init`/`update` or a `key` that is not a
+    PRNG key; `ValueError` for an unknown `storage` (float16 included: its range
+    cannot hold second moments) or a `block_size` that is not a positive integer.
+
+    **Example:**
+
+    ```python
+    optimizer = eqx_amp.low_precision_moments(optax.adamw(1e-3), "8bit")
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    ```
+    """
+    check_optimizer(optimizer, "low_precision_moments")
+    if storage not in MOMENT_STORAGES:
+        hint = (
+            " float16 cannot hold Adam's second moments (they fall below its "
+            "smallest normal value, 6e-5, long before float32's); use 'bfloat16'."
+            if str(storage) in ("float16", "f16", "half")
+            else ""
+        )
+        raise ValueError(
+            f"`storage` must be one of {', '.join(map(repr, MOMENT_STORAGES))}, but "
+            f"got {storage!r}.{hint}"
+        )
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, int)
+        or block_size < 1
+    ):
+        raise ValueError(
+            f"`block_size` must be a positive integer, but got {block_size!r}."
+        )
+    if key is None:
+        key = jax.random.key(0)
+    check_key(key, "`low_precision_moments`")
+    key_data = raw_key_data(key)
+    inner = optax.with_extra_args_support(optimizer)
+
+    def compress(state: Any, count: Array, raw_key: Array) -> Any:
+        # Kahan buffers come through as whole nodes, and are not compressible.
+        leaves = jtu.tree_leaves_with_path(state, is_leaf=_is_kept)
+        paths = [jtu.keystr(path) for path, leaf in leaves if _compressible(leaf)]
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(raw_key), count)
+        keys = dict(zip(paths, jax.random.split(step_key, max(len(paths), 1))))
+
+        def one(path, leaf):
+            key = keys.get(jtu.keystr(path))
+            if key is None:
+                return leaf
+            return encode(leaf, storage, _is_nonnegative(path), block_size, key)
+
+        return jtu.tree_map_with_path(one, state, is_leaf=_is_kept)
+
+    def decompress(state: Any) -> Any:
+        return jtu.tree_map(
+            lambda x: x.decode() if _is_moment(x) else x, state, is_leaf=_is_moment
+        )
+
+    def init_fn(params):
+        count = jnp.zeros((), jnp.int32)
+        raw_key = jnp.array(key_data, copy=True)
+        return LowPrecisionMomentsState(
+            count, raw_key, compress(inner.init(params), count, raw_key)
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        if not isinstance(state, LowPrecisionMomentsState):
+            raise TypeError(
+                "The state passed to the `update` of `eqx_amp.low_precision_moments"
+                "(...)` must be the `LowPrecisionMomentsState` its `init` made, but "
+                f"got {type(state).__name__}."
+            )
+        updates, inner_state = inner.update(
+            updates, decompress(state.inner_state), params, **extra_args
+        )
+        count = state.count + 1
+        return updates, LowPrecisionMomentsState(
+            count, state.key, compress(inner_state, count, state.key)
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,112 @@
+"""Adding an update to a low-precision weight without losing it.
+
+A bfloat16 weight has 8 significant bits, so an update smaller than half a unit in
+the last place (about 2^-9 of the weight) rounds away: plain bfloat16 training
+stalls once the learning rate has decayed. Two cures, both per element:
+
+- Kahan summation: what rounding took away is kept in a compensation buffer (of the
+    weight's dtype) and added back with the next update, so the weight follows the
+    float32 sum to within an ulp, at the cost of a second buffer.
+- Stochastic rounding: the sum is rounded up or down at random, with the
+    probabilities that make the rounding unbiased, so small updates survive in
+    expectation. No buffer, only a PRNG key.
+
+Both compute in float32, which holds every bfloat16 value exactly and the
+difference of two bfloat16 values close to each other exactly, so the update
+returned (`new - weight`) adds back to exactly `new` in float32.
+"""
+
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, PRNGKeyArray, UInt32
+
+
+Compensation = Literal["kahan", "stochastic"]
+COMPENSATIONS: tuple[Compensation, ...] = ("kahan", "stochastic")
+
+# What compensated weights may be stored in. float16 is refused: its range (6.5e4)
+# is not float32's, so a compensated float16 weight can still overflow to inf, and
+# its 11 bits leave little for compensation to do that a loss scale would not undo.
+COMPENSATED_DTYPE = np.dtype(jnp.bfloat16)
+
+
+def check_compensated_dtype(dtype: Any, where: str) -> None:
+    """Raises unless `dtype` is one compensation is for (bfloat16) or needs none
+    (float32 and wider, which are updated as they are)."""
+    dtype = np.dtype(dtype)
+    if dtype == COMPENSATED_DTYPE or (
+        jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 4
+    ):
+        return
+    raise ValueError(
+        f"{where} holds {dtype.name} weights, but compensated updates (Kahan "
+        "summation, stochastic rounding) need bfloat16 weights (float32 and wider "
+        "ones are updated as they are). float16 has not float32's range, so a "
+        "float16 weight can still overflow: keep a float32 master for float16 "
+        '(`policy="mixed_float16"`, or `eqx_amp.master_weights`), or store bfloat16.'
+    )
+
+
+def check_key(key: Any, what: str) -> None:
+    """Raises unless `key` is a PRNG key: typed (`jax.random.key`) or raw
+    (`jax.random.PRNGKey`, or `key_data` as states store it)."""
+    typed = isinstance(key, jax.Array) and jnp.issubdtype(
+        key.dtype, jax.dtypes.prng_key
+    )
+    raw = isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.ndim == 1
+    if not (typed or raw):
+        raise TypeError(
+            f"{what} needs a PRNG key to draw its roundings from (reproducible: the "
+            f"same key gives the same training run), such as `jax.random.key(0)`, "
+            f"but got {type(key).__name__} {key!r}."
+        )
+
+
+def raw_key_data(key: PRNGKeyArray) -> UInt32[Array, "..."]:
+    """The raw data of a PRNG key, as states store it: `eqx.tree_serialise_leaves`
+    and orbax save a uint32 array like any other, not a typed key."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    return key
+
+
+def stochastic_round(x: Array, dtype: Any, key: PRNGKeyArray) -> Array:
+    """`x` (float32) rounded to the bfloat16 `dtype` up or down at random, unbiased:
+    a value a quarter of the way from one bfloat16 to the next rounds up with
+    probability 1/4.
+
+    bfloat16 is float32 without its low 16 bits, so adding 16 random bits below
+    the kept ones and truncating rounds the magnitude up with exactly the right
+    probability (sign and magnitude are separate in IEEE floats, so this is
+    unbiased for negative values too).
+    """
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    noise = jax.random.bits(key, x.shape, jnp.uint32) >> jnp.uint32(16)
+    rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
+    value = jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(dtype)
+    # A NaN's payload could carry into its sign bit; inf and NaN round as they are.
+    return jnp.where(jnp.isfinite(x), value, x.astype(dtype))
+
+
+def kahan_add(weight: Array, update: Array, compensation: Array) -> tuple[Array, Array]:
+    """`weight + update` rounded to the weight's dtype, with what the rounding lost
+    carried in `compensation` (the weight's dtype) to the next step.
+
+    Returns `(new_weight, new_compensation)`.
+    """
+    wide = jnp.float32
+    total = update.astype(wide) + compensation.astype(wide)
+    new = (weight.astype(wide) + total).astype(weight.dtype)
+    lost = total - (new.astype(wide) - weight.astype(wide))
+    return new, lost.astype(compensation.dtype)
+
+
+def exact_update(new: Array, weight: Array) -> Array:
+    """The float32 update that takes `weight` to `new`: `new - weight`, which
+    `eqx_amp.apply_updates` (and `optax.apply_updates`, which adds in the wider
+    dtype) adds back to exactly `new`."""
+    return new.astype(jnp.float32) - weight.astype(jnp.float32)
