@@ -4,6 +4,7 @@ against float32, a hand-cast bfloat16 model and the peer libraries.
     python benchmarks/run.py                         # the CPU preset, a few minutes
     python benchmarks/run.py --preset gpu            # GPT-2 small + a ResNet, on a GPU
     python benchmarks/run.py --preset sharded        # collectives of FSDP/TP steps
+    python benchmarks/run.py --preset state          # training-state bytes, update cost
     python benchmarks/run.py --models gpt --variants fp32,hand_bf16,filter_amp_bf16
     python benchmarks/run.py --json results.json --markdown table.md
 
@@ -500,7 +501,7 @@ def main(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     backend = jax.default_backend()
-    parser.add_argument("--preset", choices=sorted(PRESETS) + ["sharded"],
+    parser.add_argument("--preset", choices=sorted(PRESETS) + ["sharded", "state"],
                         default="gpu" if backend == "gpu" else "cpu",
                         help="`sharded`: benchmarks/sharded.py (collectives on 8 "
                         "devices), in its own process")  # fmt: skip
@@ -526,6 +527,9 @@ def main(argv=None):
         command = [sys.executable, str(_HERE / "sharded.py")]
         if args.json:
             command += ["--json", str(args.json)]
+        sys.exit(subprocess.run(command).returncode)
+    if args.preset == "state":
+        command = [sys.executable, str(_HERE / "training_state.py")]
         sys.exit(subprocess.run(command).returncode)
     args.steps = STEPS[args.preset] if args.steps is None else max(2, args.steps)
     args.repeats = REPEATS[args.preset] if args.repeats is None else max(1, args.repeats)

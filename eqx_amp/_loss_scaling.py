@@ -117,9 +117,12 @@ def loss_scaling(
             jnp.asarray(True),
         )
 
-    def update_fn(grads, state, params=None, **extra_args):
+    # The first argument is named as optax's protocol names it (callers may pass
+    # `updates=`); here it holds the unscaled gradients.
+    def update_fn(updates, state, params=None, **extra_args):
         if not isinstance(state, LossScalingState):
             raise TypeError(_NOT_OUR_STATE.format(type(state).__name__))
+        grads = updates
         grads_finite = all_finite(grads, axis_name=axis_name)
 
         def apply(inner_state):
@@ -144,8 +147,7 @@ def loss_scaling(
         return updates, new_state
 
     # optax types a state as a nest of arrays (`OptState`); this one also holds the
-    # loss scale, an `eqx.Module`. (`update_fn` also names its first argument
-    # `grads`, where optax's protocol says `updates`.)
+    # loss scale, an `eqx.Module`.
     return optax.GradientTransformationExtraArgs(
         cast(optax.TransformInitFn, init_fn),
         cast(optax.TransformUpdateExtraArgsFn, update_fn),

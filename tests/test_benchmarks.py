@@ -84,3 +84,35 @@ def test_benchmark_runs(tmp_path):
     )
     statuses = {c["status"] for c in report["targets"]}
     assert statuses <= {"PASS", "LAG", "INFO", "SAME", "n/a"}
+
+
+def test_training_state_benchmark_counts_the_bytes():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "benchmarks" / "training_state.py"),
+            "--preset",
+            "tiny",
+            "--models",
+            "gpt",
+            "--steps",
+            "1",
+        ],  # fmt: skip
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    per_weight = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("| ") and not line.startswith("| configuration"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            per_weight[cells[0]] = float(cells[1])
+    assert per_weight["f32 Adam"] == 12.0
+    assert 13.9 < per_weight["AMP, f32 master"] <= 14.0
+    assert per_weight["master_weights"] == 14.0
+    assert per_weight["bf16 + Kahan, bf16 moments"] <= 8.01
+    assert per_weight["bf16 + SR, 8-bit moments"] <= 4.1

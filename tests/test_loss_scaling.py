@@ -213,3 +213,15 @@ def test_states_own_their_buffers_so_steps_can_donate_them(getkey):
         model, first = step(model, first, x)
     # The other state was not touched by the donations.
     assert int(second.notfinite_count) == 0
+
+
+def test_update_takes_optax_keyword_names():
+    # optax's protocol: `update(updates, state, params)`; callers may use keywords.
+    params = {"w": jnp.ones(3)}
+    optim = eqx_amp.loss_scaling(optax.sgd(0.1))
+    state = optim.init(params)
+    with jax.numpy_dtype_promotion("standard"):
+        updates, _ = optim.update(
+            updates={"w": jnp.ones(3)}, state=state, params=params
+        )
+    np.testing.assert_allclose(updates["w"], -0.1 * np.ones(3))

@@ -89,10 +89,16 @@ def test_notebook_runs_on_small_settings(tmp_path, monkeypatch):
         for out in c.get("outputs", [])
         if "image/png" in out.get("data", {})
     ]
-    assert len(images) == 4
+    assert len(images) == 5
     # The fp8 section: its matmuls are fp8, and each variant has a line per task.
     (fp8_cell,) = [c for c in code_cells if "FP8_VARIANTS = [" in "".join(c.source)]
     fp8_text = _stream_text(fp8_cell)
     assert "float8_e4m3fn x float8_e4m3fn" in fp8_text
     for name in ("autocast fp8", "fp8, no scaling"):
         assert f"digits       {name}" in fp8_text and f"transformer  {name}" in fp8_text
+    # The training-state section: a line per task and variant, with its bytes.
+    (state_cell,) = [c for c in code_cells if "STATE_NAMES = [" in "".join(c.source)]
+    state_text = _stream_text(state_cell)
+    for line in ("8.00 bytes/weight", "4.03 bytes/weight", "14.00 bytes/weight"):
+        assert line in state_text, state_text
+    assert state_text.count("final loss") == 8

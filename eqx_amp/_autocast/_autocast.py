@@ -39,8 +39,8 @@ class _AutocastWrapper(FunctionWrapper):
                 "compute dtype at bfloat16 and ask for fp8 with the rule."
             )
         hook = AutocastHook(self.rules, policy.compute_dtype, policy.reduce_dtype)
-        # The arrays of Equinox modules (`fn` itself, or arguments) and of Flax NNX
-        # states are parameters: they follow the activations they meet.
+        # The arrays of Equinox modules (`fn` itself, or arguments) and Flax NNX
+        # parameters are parameters: they follow the activations they meet.
         return evaluate_function(
             _call, (self.fn, args, kwargs), hook, params_are=_holds_params
         )
@@ -51,16 +51,14 @@ def _is_module(node: Any) -> bool:
 
 
 def _holds_params(node: Any) -> bool:
-    """Equinox modules, and Flax NNX's `State` and `Variable` (what `nnx.split`
-    returns). Flax is never imported here: if the program passes NNX containers, it
-    has imported Flax already."""
+    """Equinox modules, and Flax NNX's `nnx.Param` variables (in the `State` that
+    `nnx.split` returns). Other NNX variables (`BatchStat`, RNG state) are state, not
+    parameters: data, like `eqx.nn.State`. Flax is never imported here: if the
+    program passes NNX variables, it has imported Flax already."""
     if isinstance(node, eqx.Module):
         return True
-    nnx = sys.modules.get("flax.nnx")
-    containers = tuple(
-        t for t in (getattr(nnx, "State", None), getattr(nnx, "Variable", None)) if t
-    )
-    return bool(containers) and isinstance(node, containers)
+    param = getattr(sys.modules.get("flax.nnx"), "Param", None)
+    return param is not None and isinstance(node, param)
 
 
 @overload
