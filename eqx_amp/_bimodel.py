@@ -46,8 +46,10 @@ from ._rounding import (
     check_compensated_dtype,
     check_key,
     kahan_add,
+    key_impl,
     raw_key_data,
     stochastic_round,
+    wrap_key,
 )
 from ._updates import add_in_float32, is_none, paired_leaves
 from ._wrapper import check_callable
@@ -161,6 +163,7 @@ class BiModel(eqx.Module):
     # bfloat16 and `None` elsewhere. Stochastic rounding: the raw key data.
     _kahan: tuple[Any, ...] | None = eqx.field(default=None, repr=False)
     _rounding_key: Any = eqx.field(default=None, repr=False)
+    _key_impl: str | None = eqx.field(static=True, default=None, repr=False)
 
     def __init__(
         self,
@@ -201,6 +204,7 @@ class BiModel(eqx.Module):
         self._kahan, self._rounding_key = _compensation_state(
             master, policy, compensation, key
         )
+        self._key_impl = None if key is None else key_impl(key)
 
     @property
     def compute(self) -> PyTree:
@@ -357,7 +361,7 @@ class BiModel(eqx.Module):
             return new, tuple(kahan), self._rounding_key
         if self.compensation == "stochastic":
             next_key, step_key = jax.random.split(
-                jax.random.wrap_key_data(self._rounding_key)
+                wrap_key(self._rounding_key, self._key_impl)
             )
             keys = jax.random.split(step_key, max(len(master), 1))
             new = [

@@ -18,6 +18,7 @@ from ._loss_scale import (
     all_finite,
     check_axis_name,
 )
+from ._optimizers import check_optimizer
 from ._wrapper import FunctionWrapper, check_callable
 
 
@@ -86,11 +87,7 @@ def loss_scaling(
         return eqx.apply_updates(model, updates), opt_state, loss
     ```
     """
-    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        raise TypeError(
-            "`loss_scaling` wraps an optax optimizer (an object with `init` and "
-            f"`update`, such as `optax.adam(1e-3)`), but got {type(optimizer).__name__}."
-        )
+    check_optimizer(optimizer, "loss_scaling")
     if loss_scale is None:
         loss_scale = DynamicLossScale()
     if not isinstance(loss_scale, AbstractLossScale):
@@ -129,9 +126,13 @@ def loss_scaling(
             return inner.update(grads, inner_state, params, **extra_args)
 
         def reject(inner_state):
-            shapes = jax.eval_shape(apply, inner_state)[0]
-            zeros = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            return zeros, inner_state
+            update_shapes, state_shapes = jax.eval_shape(apply, inner_state)
+            zeros = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
+            # The state as it was, in the dtypes a step would leave it in (an
+            # optimizer may store what it was given in another dtype: moments
+            # decoded to float32 from bfloat16, say), so both branches agree.
+            kept = jtu.tree_map(_in_dtype_of, inner_state, state_shapes)
+            return zeros, kept
 
         updates, inner_state = jax.lax.cond(
             grads_finite, apply, reject, state.inner_state
@@ -152,6 +153,10 @@ def loss_scaling(
         cast(optax.TransformInitFn, init_fn),
         cast(optax.TransformUpdateExtraArgsFn, update_fn),
     )
+
+
+def _in_dtype_of(x: Any, shape: Any) -> Any:
+    return x if x.dtype == shape.dtype else x.astype(shape.dtype)
 
 
 _NOT_OUR_STATE = (

@@ -20,6 +20,7 @@ Two things keep the compressed moments honest:
 """
 
 import math
+from collections.abc import Iterator
 from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
@@ -30,17 +31,32 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray, UInt32
 
-from ._optimizers import KahanSummationState, check_optimizer
-from ._rounding import check_key, raw_key_data, stochastic_round
+from ._optimizers import check_optimizer
+from ._rounding import (
+    check_key,
+    check_key_data,
+    key_impl,
+    raw_key_data,
+    stochastic_round,
+    wrap_key,
+)
 
 
 MomentStorage = Literal["bfloat16", "8bit"]
 MOMENT_STORAGES: tuple[MomentStorage, ...] = ("bfloat16", "8bit")
 
-# optax's names for moments that are never negative (second moments and sums of
-# squares): Adam/AdamW/AdaBelief/RMSProp's `nu`, AMSGrad's `nu_max`, Adagrad's
-# `sum_of_squares`, Adafactor's factored `v_row`/`v_col`.
-NONNEGATIVE_MOMENTS = frozenset({"nu", "nu_max", "sum_of_squares", "v_row", "v_col"})
+# The fields of optax's states that hold moments: running statistics of the
+# gradients, one per weight. Those never negative (second moments, sums of squares)
+# are stored as square roots: Adam/AdamW/AdaBelief/RMSProp's `nu`, AMSGrad's
+# `nu_max`, Adagrad's `sum_of_squares`, Adafactor's factored `v_row`/`v_col`,
+# AdaDelta's `e_g`/`e_x`, Adan's `n`. Signed ones: first moments (`mu`, Adan's `m`
+# and `v`), momentum's `trace`, `ema`. Other per-weight state (the gradients
+# `MultiSteps` accumulates, lookahead's slow weights, schedule-free's `z`) is not a
+# moment: stored coarsely, it would move the weights themselves.
+NONNEGATIVE_MOMENTS = frozenset(
+    {"nu", "nu_max", "sum_of_squares", "v_row", "v_col", "e_g", "e_x", "n"}
+)
+SIGNED_MOMENTS = frozenset({"mu", "m", "v", "trace", "ema"})
 
 
 def _dynamic_map(signed: bool) -> np.ndarray:
@@ -94,7 +110,7 @@ class QuantizedMoment(eqx.Module):
         else:
             table = jnp.asarray(_UNSIGNED_MAP if self.square_root else _SIGNED_MAP)
             normalised = _blocks(table[self.values], self.block_size)
-            stored = _unblock(normalised * self.scales[:, None], self.values.shape)
+            stored = _unblock(normalised * self.scales[..., None], self.values.shape)
         return stored * stored if self.square_root else stored
 
 
@@ -115,11 +131,16 @@ def encode(
         values = stochastic_round(x, jnp.bfloat16, key)
         return QuantizedMoment(values, None, square_root, block_size)
     blocks = _blocks(x, block_size)
-    scales = jnp.max(jnp.abs(blocks), axis=1)
-    normalised = blocks / jnp.where(scales > 0, scales, 1.0)[:, None]
+    scales = jnp.max(jnp.abs(blocks), axis=-1)
+    normalised = blocks / jnp.where(scales > 0, scales, 1.0)[..., None]
     table = jnp.asarray(_UNSIGNED_MAP if square_root else _SIGNED_MAP)
-    codes = _round_to_table(normalised, table, key).astype(jnp.uint8)
-    values = _unblock(codes, moment.shape)
+    codes = _round_to_table(normalised, table, key)
+    if square_root:
+        # A second moment rounded down to zero would make its Adam step
+        # mu / eps: a positive one keeps at least the smallest code (a smaller
+        # step instead).
+        codes = jnp.where(normalised > 0, jnp.maximum(codes, 1), codes)
+    values = _unblock(codes.astype(jnp.uint8), moment.shape)
     return QuantizedMoment(values, scales, square_root, block_size)
 
 
@@ -135,13 +156,27 @@ def _round_to_table(x: Array, table: Array, key: PRNGKeyArray) -> Array:
     return jnp.where(up, above, below)
 
 
+def _along_last_axis(shape: tuple[int, ...], block_size: int) -> bool:
+    # Blocks within the last axis keep every axis of the moment, so a moment split
+    # over devices along any axis is encoded where it lives. Otherwise (a last axis
+    # that is not a multiple of the block: a convolution kernel's 3x3) the blocks
+    # run through the flattened moment, padded at its end.
+    return len(shape) > 0 and shape[-1] % block_size == 0
+
+
 def _blocks(x: Array, block_size: int) -> Array:
+    """`x` as blocks of `block_size` values: `(*x.shape[:-1], n, block_size)`, or
+    `(n, block_size)` through the flattened array."""
+    if _along_last_axis(x.shape, block_size):
+        return x.reshape(*x.shape[:-1], -1, block_size)
     flat = x.reshape(-1)
     padding = -flat.shape[0] % block_size
     return jnp.pad(flat, (0, padding)).reshape(-1, block_size)
 
 
 def _unblock(blocks: Array, shape: tuple[int, ...]) -> Array:
+    if _along_last_axis(shape, blocks.shape[-1]):
+        return blocks.reshape(shape)
     return blocks.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
@@ -150,15 +185,14 @@ class LowPrecisionMomentsState(NamedTuple):
 
     **Fields:**
 
-    - `count`: steps so far (int32); with `key`, what each step's stochastic
+    - `step`: steps so far (int32); with `key`, what each step's stochastic
         rounding is drawn from, so runs are reproducible and resume exactly.
     - `key`: the raw data of the PRNG key (`jax.random.key_data`).
     - `inner_state`: the wrapped optimizer's state, with each moment stored as a
         `QuantizedMoment`.
     """
 
-    # optax's own states name their step counter `count` too (`ScaleByAdamState`).
-    count: Int[Array, ""]  # pyright: ignore[reportIncompatibleMethodOverride]
+    step: Int[Array, ""]
     key: UInt32[Array, "..."]
     inner_state: Any
 
@@ -167,26 +201,26 @@ def _is_moment(node: Any) -> bool:
     return isinstance(node, QuantizedMoment)
 
 
-def _compressible(leaf: Any) -> bool:
-    # Per-weight state: floating arrays with a dimension (optax keeps the moments of
-    # bfloat16 weights in bfloat16, rounded to nearest: those are re-stored too).
-    # Scalars (counts, loss scales, hyperparameters) stay as they are.
+def _moment_kind(path: tuple) -> bool | None:
+    """For a subtree of the optimizer state shaped like the parameters, at `path`:
+    `True` for a non-negative moment, `False` for a signed one, `None` for state
+    that is not a moment."""
+    if not path or not isinstance(path[-1], jtu.GetAttrKey):
+        return None
+    name = path[-1].name
+    if name in NONNEGATIVE_MOMENTS:
+        return True
+    if name in SIGNED_MOMENTS:
+        return False
+    return None
+
+
+def _is_compressible(leaf: Any) -> bool:
+    # Scalars gain nothing from compression.
     return (
-        isinstance(leaf, jax.Array)
+        eqx.is_array(leaf)
         and jnp.issubdtype(leaf.dtype, jnp.floating)
         and leaf.ndim >= 1
-    )
-
-
-def _is_kept(node: Any) -> bool:
-    # A Kahan buffer holds what rounding lost, below the weight's last bit: it is
-    # exact in the weight's dtype, and coarser storage would lose it again.
-    return isinstance(node, KahanSummationState)
-
-
-def _is_nonnegative(path: tuple) -> bool:
-    return any(
-        isinstance(k, jtu.GetAttrKey) and k.name in NONNEGATIVE_MOMENTS for k in path
     )
 
 
@@ -199,25 +233,34 @@ def low_precision_moments(
 ) -> optax.GradientTransformationExtraArgs:
     """Stores an optax optimizer's moments in bfloat16 or in 8 bits per value.
 
-    Every per-weight float32 array of the wrapped optimizer's state (Adam's `mu`
-    and `nu`, momentum traces, ...) is stored compressed between steps; the wrapped
-    optimizer runs in float32 on decoded copies, so any optax optimizer, chain or
-    schedule works unchanged. Second moments (`nu`, `nu_max`, `sum_of_squares`,
-    `v_row`, `v_col`) are stored as their square roots. Encoding rounds
-    stochastically, so the moments stay unbiased however small a step's change.
+    The moments of the wrapped optimizer's state (the subtrees shaped like the
+    parameters under optax's moment fields: `mu`, `nu`, `nu_max`, `trace`, `ema`,
+    `sum_of_squares`, `v_row`, `v_col`, `m`, `v`, `n`, `e_g`, `e_x`) are stored
+    compressed between steps; the wrapped optimizer runs in float32 on decoded
+    copies, so chains and schedules work unchanged. Other per-weight state (the
+    gradients `optax.MultiSteps` accumulates, schedule-free's `z`) is kept as it
+    is: stored coarsely, it would move the weights. Non-negative moments (`nu`,
+    `nu_max`, `sum_of_squares`, `v_row`, `v_col`, `n`, `e_g`, `e_x`) are stored as
+    their square roots. Encoding rounds stochastically, so the moments stay
+    unbiased however small a step's change.
 
     - `"bfloat16"`: 2 bytes per value (float32's range, 8 significant bits).
     - `"8bit"`: 1 byte per value plus a float32 scale per block of `block_size`
         values: each value is divided by its block's largest magnitude and rounded
         to one of 256 points of a dynamic map spanning seven decades (as
-        bitsandbytes' 8-bit optimizers do).
+        bitsandbytes' 8-bit optimizers do). Blocks run along the last axis where
+        it is a multiple of `block_size` (so a moment sharded along any axis is
+        encoded where it lives), else through the flattened moment. A positive
+        second moment never rounds to zero.
 
     Adam's state then costs 4 (bfloat16) or about 2.03 (8-bit) bytes per weight
-    instead of 8.
+    instead of 8 between steps. Within a step the moments are decoded to float32,
+    so the update's transient memory is larger than plain Adam's.
 
     **Arguments:**
 
-    - `optimizer`: any optax optimizer.
+    - `optimizer`: any optax optimizer (not an `eqx_amp.master_weights`, which
+        wraps this one instead).
     - `storage`: `"bfloat16"` or `"8bit"`.
     - `key`: the PRNG key the roundings are drawn from; `None` means
         `jax.random.key(0)`.
@@ -265,23 +308,64 @@ def low_precision_moments(
     if key is None:
         key = jax.random.key(0)
     check_key(key, "`low_precision_moments`")
-    key_data = raw_key_data(key)
+    key_data, impl = raw_key_data(key), key_impl(key)
     inner = optax.with_extra_args_support(optimizer)
 
-    def compress(state: Any, count: Array, raw_key: Array) -> Any:
-        # Kahan buffers come through as whole nodes, and are not compressible.
-        leaves = jtu.tree_leaves_with_path(state, is_leaf=_is_kept)
-        paths = [jtu.keystr(path) for path, leaf in leaves if _compressible(leaf)]
-        step_key = jax.random.fold_in(jax.random.wrap_key_data(raw_key), count)
-        keys = dict(zip(paths, jax.random.split(step_key, max(len(paths), 1))))
+    def step_keys(step: Array, raw_key: Array, n: int) -> Iterator[PRNGKeyArray]:
+        step_key = jax.random.fold_in(wrap_key(raw_key, impl), step)
+        return iter(jax.random.split(step_key, max(n, 1)))
 
-        def one(path, leaf):
-            key = keys.get(jtu.keystr(path))
-            if key is None:
-                return leaf
-            return encode(leaf, storage, _is_nonnegative(path), block_size, key)
+    def compress_moments(state: Any, params_def: Any, step, raw_key) -> Any:
+        """The moments of a freshly initialised state: the subtrees shaped like the
+        parameters under a moment's field name (decided from the optimizer's part
+        of the path, never from the model's own field names)."""
+        nodes = jtu.tree_flatten_with_path(
+            state, is_leaf=lambda n: jtu.tree_structure(n) == params_def
+        )[0]
+        kinds = {
+            jtu.keystr(path): kind
+            for path, node in nodes
+            if jtu.tree_structure(node) == params_def
+            and (kind := _moment_kind(path)) is not None
+        }
+        count = sum(
+            sum(map(_is_compressible, jtu.tree_leaves(node)))
+            for path, node in nodes
+            if jtu.keystr(path) in kinds
+        )
+        keys = step_keys(step, raw_key, count)
 
-        return jtu.tree_map_with_path(one, state, is_leaf=_is_kept)
+        def one(path, node):
+            kind = kinds.get(jtu.keystr(path))
+            if kind is None or jtu.tree_structure(node) != params_def:
+                return node
+            return jtu.tree_map(
+                lambda x: (
+                    encode(x, storage, kind, block_size, next(keys))
+                    if _is_compressible(x)
+                    else x
+                ),
+                node,
+            )
+
+        return jtu.tree_map_with_path(
+            one, state, is_leaf=lambda n: jtu.tree_structure(n) == params_def
+        )
+
+    def recompress(old: Any, new: Any, step, raw_key) -> Any:
+        """`new` (decoded) stored as `old` was: the same leaves, the same forms."""
+        old_leaves = jtu.tree_leaves(old, is_leaf=_is_moment)
+        keys = step_keys(step, raw_key, sum(map(_is_moment, old_leaves)))
+        return jtu.tree_map(
+            lambda o, n: (
+                encode(n, storage, o.square_root, block_size, next(keys))
+                if _is_moment(o)
+                else n
+            ),
+            old,
+            new,
+            is_leaf=_is_moment,
+        )
 
     def decompress(state: Any) -> Any:
         return jtu.tree_map(
@@ -289,11 +373,11 @@ def low_precision_moments(
         )
 
     def init_fn(params):
-        count = jnp.zeros((), jnp.int32)
+        step = jnp.zeros((), jnp.int32)
         raw_key = jnp.array(key_data, copy=True)
-        return LowPrecisionMomentsState(
-            count, raw_key, compress(inner.init(params), count, raw_key)
-        )
+        params_def = jtu.tree_structure(params)
+        inner_state = compress_moments(inner.init(params), params_def, step, raw_key)
+        return LowPrecisionMomentsState(step, raw_key, inner_state)
 
     def update_fn(updates, state, params=None, **extra_args):
         if not isinstance(state, LowPrecisionMomentsState):
@@ -302,12 +386,12 @@ def low_precision_moments(
                 "(...)` must be the `LowPrecisionMomentsState` its `init` made, but "
                 f"got {type(state).__name__}."
             )
+        check_key_data(state.key, impl, "The `LowPrecisionMomentsState`")
         updates, inner_state = inner.update(
             updates, decompress(state.inner_state), params, **extra_args
         )
-        count = state.count + 1
-        return updates, LowPrecisionMomentsState(
-            count, state.key, compress(inner_state, count, state.key)
-        )
+        step = state.step + 1
+        inner_state = recompress(state.inner_state, inner_state, step, state.key)
+        return updates, LowPrecisionMomentsState(step, state.key, inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

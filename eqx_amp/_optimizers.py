@@ -23,15 +23,32 @@ from ._cast import floating_dtype, is_floating_array, is_inexact_array
 from ._rounding import (
     check_compensated_dtype,
     check_key,
+    check_key_data,
     exact_update,
     kahan_add,
+    key_impl,
     raw_key_data,
     stochastic_round,
+    wrap_key,
 )
-from ._updates import add_in_float32, add_rounded_once, is_none, paired_leaves
+from ._updates import (
+    add_in_float32,
+    add_rounded_once,
+    describe,
+    is_none,
+    paired_leaves,
+)
 
 
 def check_optimizer(optimizer: Any, where: str) -> None:
+    """Raises unless `optimizer` is an optax optimizer whose `update` returns
+    updates (not a `MasterWeights`, whose `update` returns the new weights)."""
+    if isinstance(optimizer, MasterWeights):
+        raise TypeError(
+            f"`{where}` wraps an optax optimizer, whose `update` returns updates; "
+            "`eqx_amp.master_weights(...)` returns the new weights instead, so it "
+            f"must be the outermost wrapper: `master_weights({where}(...))`."
+        )
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise TypeError(
             f"`{where}` wraps an optax optimizer (an object with `init` and `update`, "
@@ -163,7 +180,7 @@ def master_weights(
                 f"{type(state).__name__}."
             )
         view = master_view(state.master, params)
-        paired_leaves(grads, params, "params")
+        paired_leaves(grads, params, "params", what="grads")
         grads = jtu.tree_map(
             lambda g, v: None if g is None else g.astype(v.dtype),
             grads,
@@ -271,6 +288,10 @@ def kahan_summation() -> optax.GradientTransformation:
                 new_updates.append(update)
                 new_comp.append(comp)
                 continue
+            if not is_floating_array(param) or param.dtype != comp.dtype:
+                raise ValueError(
+                    _KAHAN_DTYPE_CHANGED.format(comp.dtype, describe(param))
+                )
             new, kept = kahan_add(param, update, comp)
             new_updates.append(exact_update(new, param))
             new_comp.append(kept)
@@ -337,7 +358,7 @@ def stochastic_rounding(key: PRNGKeyArray) -> optax.GradientTransformation:
     ```
     """
     check_key(key, "`stochastic_rounding`")
-    key_data = raw_key_data(key)
+    key_data, impl = raw_key_data(key), key_impl(key)
 
     def init_fn(params: PyTree) -> StochasticRoundingState:
         _check_compensated_params(params, "stochastic_rounding")
@@ -352,10 +373,11 @@ def stochastic_rounding(key: PRNGKeyArray) -> optax.GradientTransformation:
             raise TypeError(
                 _NOT_OUR_STATE.format("stochastic_rounding(key)", type(state))
             )
-        check_key(state.key, "The `StochasticRoundingState`")
+        check_key_data(state.key, impl, "The `StochasticRoundingState`")
         params = _require_params(params, "stochastic_rounding")
         pairs = paired_leaves(updates, params, "params")
-        key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+        _check_compensated_params(params, "stochastic_rounding")
+        key, step_key = jax.random.split(wrap_key(state.key, impl))
         leaf_keys = iter(jax.random.split(step_key, max(len(pairs), 1)))
         new_updates = []
         for update, param in pairs:
@@ -373,6 +395,11 @@ def stochastic_rounding(key: PRNGKeyArray) -> optax.GradientTransformation:
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+_KAHAN_DTYPE_CHANGED = (
+    "`kahan_summation` keeps a {} compensation buffer for a weight that is now {}. "
+    "Apply its updates with `eqx_amp.apply_updates(model, updates)`, which keeps "
+    "each weight's dtype (`eqx.apply_updates` promotes bfloat16 weights to float32)."
+)
 _NOT_OUR_STATE = (
     "The state passed to the `update` of `eqx_amp.{}` must be the one its `init` "
     "made, but got {}."

@@ -51,12 +51,16 @@ def check_compensated_dtype(dtype: Any, where: str) -> None:
 
 
 def check_key(key: Any, what: str) -> None:
-    """Raises unless `key` is a PRNG key: typed (`jax.random.key`) or raw
-    (`jax.random.PRNGKey`, or `key_data` as states store it)."""
+    """Raises unless `key` is a PRNG key: typed (`jax.random.key`, any
+    implementation) or a raw default one (`jax.random.PRNGKey`)."""
     typed = isinstance(key, jax.Array) and jnp.issubdtype(
         key.dtype, jax.dtypes.prng_key
     )
-    raw = isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.ndim == 1
+    raw = (
+        isinstance(key, jax.Array)
+        and key.dtype == jnp.uint32
+        and key.shape == jax.random.key_data(jax.random.key(0)).shape
+    )
     if not (typed or raw):
         raise TypeError(
             f"{what} needs a PRNG key to draw its roundings from (reproducible: the "
@@ -71,6 +75,34 @@ def raw_key_data(key: PRNGKeyArray) -> UInt32[Array, "..."]:
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return jax.random.key_data(key)
     return key
+
+
+def key_impl(key: PRNGKeyArray) -> str | None:
+    """The name of a typed key's implementation (`None`: the default), to rebuild
+    the key from its raw data."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return str(jax.random.key_impl(key))
+    return None
+
+
+def wrap_key(data: Array, impl: str | None) -> PRNGKeyArray:
+    return jax.random.wrap_key_data(data, impl=impl)
+
+
+def check_key_data(data: Any, impl: str | None, what: str) -> None:
+    """Raises unless `data` is the raw data of a key of `impl`, as stored in a
+    state (a state built by hand, or loaded into the wrong structure)."""
+    expected = jax.random.key_data(jax.random.key(0, impl=impl)).shape
+    if not (
+        isinstance(data, jax.Array)
+        and data.dtype == jnp.uint32
+        and data.shape == expected
+    ):
+        raise TypeError(
+            f"{what} holds no PRNG key to draw its roundings from (the raw uint32 "
+            f"data of shape {expected} that its `init` stores), but "
+            f"{type(data).__name__} {data!r}."
+        )
 
 
 def stochastic_round(x: Array, dtype: Any, key: PRNGKeyArray) -> Array:
@@ -88,7 +120,11 @@ def stochastic_round(x: Array, dtype: Any, key: PRNGKeyArray) -> Array:
     noise = jax.random.bits(key, x.shape, jnp.uint32) >> jnp.uint32(16)
     rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
     value = jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(dtype)
-    # A NaN's payload could carry into its sign bit; inf and NaN round as they are.
+    # A finite value above the largest bfloat16 may round up into inf: it goes to
+    # the largest instead, as nearest rounding would take it. A NaN's payload
+    # could carry into its sign bit; inf and NaN round as they are.
+    largest = jnp.finfo(dtype).max
+    value = jnp.clip(value, -largest, largest)
     return jnp.where(jnp.isfinite(x), value, x.astype(dtype))
 
 
@@ -108,5 +144,8 @@ def kahan_add(weight: Array, update: Array, compensation: Array) -> tuple[Array,
 def exact_update(new: Array, weight: Array) -> Array:
     """The float32 update that takes `weight` to `new`: `new - weight`, which
     `eqx_amp.apply_updates` (and `optax.apply_updates`, which adds in the wider
-    dtype) adds back to exactly `new`."""
+    dtype) adds back to exactly `new`. (Exact whenever `new` is within 2^16 of
+    `weight`'s magnitude, which is every practical step; an update that takes a
+    weight to below 2^-24 of itself lands on that tiny value's neighbourhood, not
+    on it.)"""
     return new.astype(jnp.float32) - weight.astype(jnp.float32)

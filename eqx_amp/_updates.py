@@ -11,21 +11,26 @@ from ._cast import at_least_float32, is_inexact_array
 
 
 UPDATE_FOR_NON_FLOAT = (
-    "`updates` has {update} where `{name}` has {param}, which is not a floating "
+    "`{what}` has {update} where `{name}` has {param}, which is not a floating "
     "array and is never updated. Put `None` there (as `eqx.filter(..., "
     "eqx.is_inexact_array)` and `eqx.filter_grad` do)."
 )
 BAD_UPDATE = (
-    "`updates` must hold floating arrays (or `None`), one per floating array of "
+    "`{what}` must hold floating arrays (or `None`), one per floating array of "
     "`{name}`, with the same shape; it has {update} where `{name}` has an array of "
     "dtype {dtype} and shape {shape}."
 )
 UPDATES_MISMATCH = (
-    "`updates` must have the structure of `{name}` (the same containers, module "
+    "`{what}` must have the structure of `{name}` (the same containers, module "
     "types and static fields), with `None` allowed in place of any subtree, as "
-    "`optimizer.update(grads, opt_state, eqx.filter({name}, eqx.is_inexact_array))` "
-    "returns it. The structure of `updates` does not match. JAX reported: {error}"
+    "{source} returns it. The structure of `{what}` does not match. JAX reported: "
+    "{error}"
 )
+_SOURCES = {
+    "updates": "`optimizer.update(grads, opt_state, eqx.filter({name}, "
+    "eqx.is_inexact_array))`",
+    "grads": "`eqx.filter_grad(loss)({name}, ...)`",
+}
 
 
 def is_none(x: Any) -> bool:
@@ -45,35 +50,41 @@ def describe(x: Any) -> str:
     return f"{type(x).__name__} {x!r}"
 
 
-def paired_leaves(updates: PyTree, params: PyTree, name: str) -> list[tuple]:
+def paired_leaves(
+    updates: PyTree, params: PyTree, name: str, what: str = "updates"
+) -> list[tuple]:
     """`(update, param)` for every leaf of `updates` (`None` included), each update
-    checked against the leaf of `params` it updates. `name` is what errors call
-    `params`."""
+    checked against the leaf of `params` it updates. Errors call `params` `name`
+    and `updates` `what` ("updates" or "grads")."""
     update_leaves, update_def = jtu.tree_flatten(updates, is_leaf=is_none)
     try:
         param_parts = update_def.flatten_up_to(params)
     except (ValueError, TypeError) as e:
+        source = _SOURCES[what].format(name=name)
         raise ValueError(
-            UPDATES_MISMATCH.format(name=name, error=first_line(e))
+            UPDATES_MISMATCH.format(
+                what=what, name=name, source=source, error=first_line(e)
+            )
         ) from None
     for update, param in zip(update_leaves, param_parts):
-        check_update(update, param, name)
+        check_update(update, param, name, what)
     return list(zip(update_leaves, param_parts))
 
 
-def check_update(update: Any, param: Any, name: str) -> None:
+def check_update(update: Any, param: Any, name: str, what: str = "updates") -> None:
     if update is None:
         return
     # Complex parameters are differentiated and updated like real ones.
     if not is_inexact_array(param):
         raise ValueError(
             UPDATE_FOR_NON_FLOAT.format(
-                update=describe(update), name=name, param=describe(param)
+                what=what, update=describe(update), name=name, param=describe(param)
             )
         ) from None
     if not is_inexact_array(update) or update.shape != param.shape:
         raise ValueError(
             BAD_UPDATE.format(
+                what=what,
                 name=name,
                 update=describe(update),
                 dtype=param.dtype,

@@ -44,6 +44,7 @@ import numpy as np
 import optax
 from _reporting import fmt_bytes, progress
 from flax import nnx
+from quickstart import make_batch_orders  # the same minibatches as the quickstart
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
@@ -205,21 +206,6 @@ def train(
         "params": params,
         "rest": rest,
     }
-
-
-def make_batch_orders(
-    n: int, batch_size: int, epochs: int, seed: int
-) -> list[list[np.ndarray]]:
-    """One shuffled list of minibatch indices per epoch (the last partial batch is
-    dropped, so every step has the same shape and compiles once)."""
-    rng = np.random.default_rng(seed)
-    orders = []
-    for _ in range(epochs):
-        perm = rng.permutation(n)
-        orders.append(
-            [perm[i : i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
-        )
-    return orders
 
 
 #

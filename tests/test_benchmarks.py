@@ -87,7 +87,8 @@ def test_benchmark_runs(tmp_path):
 
 
 def test_training_state_benchmark_counts_the_bytes():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    xla_flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags.strip()}
     result = subprocess.run(
         [
             sys.executable,

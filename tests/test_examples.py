@@ -114,7 +114,7 @@ def test_fp8_training_tracks_bfloat16_and_the_ablation_does_not():
 
 def test_low_precision_state_halves_the_state_and_tracks_the_float32_master():
     pytest.importorskip("sklearn")
-    out = _run_example("low_precision_state.py", "--seeds", "1", "--steps", "40")
+    out = _run_example("low_precision_state.py", "--seeds", "1", "--steps", "20")
     rows = {}
     for line in out.splitlines():
         if line.startswith("| digits") or line.startswith("| char"):
