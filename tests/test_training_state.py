@@ -505,6 +505,29 @@ def test_moment_encodings_error_bounds():
     assert float(jnp.max(jnp.abs(decoded - signed) / scale)) <= 0.9 / 64 + 1e-6
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_eight_bit_codes_are_the_maps_neighbours(signed):
+    # The encoding computes where a value falls in the dynamic map from the map's
+    # layout; it must agree with searching the map itself.
+    from eqx_amp._moments import _SIGNED_MAP, _UNSIGNED_MAP, _map_position
+
+    table = _SIGNED_MAP if signed else _UNSIGNED_MAP
+    rng = np.random.default_rng(0)
+    x = np.concatenate(
+        [
+            rng.uniform(-1 if signed else 0, 1, 20000),
+            10.0 ** rng.uniform(-9, 0, 20000)
+            * (rng.choice([-1, 1], 20000) if signed else 1),
+            table,
+        ]
+    ).astype(np.float32)
+    above = np.clip(np.searchsorted(table, x), 1, len(table) - 1)
+    below = above - 1
+    expected = below + np.clip((x - table[below]) / (table[above] - table[below]), 0, 1)
+    position = np.asarray(_map_position(jnp.asarray(x), signed))
+    np.testing.assert_allclose(position, expected, atol=1e-4)
+
+
 def test_eight_bit_second_moments_keep_small_values():
     # Second moments spanning 12 decades in one block: the square-root storage
     # keeps every one above zero, and those within six decades of the largest
