@@ -21,6 +21,7 @@ from ._loss_scale import (
     check_axis_name,
     unbound_axis_name_error,
 )
+from ._sharding import recording_gathers
 from ._wrapper import FunctionWrapper
 
 
@@ -110,12 +111,15 @@ def _value_and_scaled_grad(
         loss = loss.astype(at_least_float32(loss.dtype))
         return loss_scale.scale(loss), (loss, aux)
 
-    (_, (value, aux)), grads = eqx.filter_value_and_grad(scaled_loss, has_aux=True)(
-        x, loss_scale
-    )
+    with recording_gathers() as gathered:
+        (_, (value, aux)), grads = eqx.filter_value_and_grad(
+            scaled_loss, has_aux=True
+        )(x, loss_scale)
     grads = loss_scale.unscale(grads)
     if axis_name is not None and average:
         _check_replicated(x, axis_name)
+        if axis_name in gathered:
+            raise ValueError(_AVERAGING_GATHERED.format(axis=axis_name))
         with unbound_axis_name_error(axis_name):
             grads = jax.lax.pmean(grads, axis_name)
             value = jax.lax.pmean(value, axis_name)
@@ -125,12 +129,28 @@ def _value_and_scaled_grad(
 
 _AVERAGING_SHARDS = (
     "`axis_name={axis!r}` averages the gradients over {axis!r}, as for parameters "
-    "every device holds whole, but `{path}` varies over {axis!r} (a shard: its "
-    "`in_specs` name the axis), so averaging would mix the gradients of different "
-    "parameters. Pass `average=False`: the check for finiteness is still agreed "
-    "across {axis!r}, and the gradients of sharded parameters are already summed "
-    "into their shards by the transpose of their gather (`eqx_amp.gather_params` "
-    "sums them in the policy's `reduce_dtype`)."
+    "every device holds whole, but `{path}` varies over {axis!r} (a shard, or a "
+    "stacked copy: its `in_specs` name the axis). The fix depends on what each "
+    "device holds:\n"
+    "- a whole copy per device (a stack of copies split with `P({axis!r})`, as for "
+    "`jax.pmap`): pass one copy, replicated, `in_specs=P()`, and "
+    "return the global mean loss, `jax.lax.pmean(loss, {axis!r})`; JAX then sums "
+    "their gradients over {axis!r} and they arrive identical on every device "
+    "(`average=False` here would leave every device with its own, un-averaged "
+    "gradients);\n"
+    "- a shard of a parameter (FSDP, gathered with `eqx_amp.gather_params`): pass "
+    "`average=False`; the check for finiteness is still agreed across {axis!r}, "
+    "and the transpose of the gather already sums the gradients into their shards "
+    "(in the policy's `reduce_dtype`)."
+)
+
+_AVERAGING_GATHERED = (
+    "`axis_name={axis!r}` averages the gradients over {axis!r}, as for parameters "
+    "every device holds whole, but the loss gathers parameters sharded over "
+    "{axis!r} with `eqx_amp.gather_params`: their gradients are already reduced "
+    "into their shards, and averaging would mix the gradients of different "
+    "parameters. Pass `average=False`; the check for finiteness is still agreed "
+    "across {axis!r}."
 )
 
 
@@ -162,6 +182,7 @@ def _redo_until_finite(attempt: Callable, loss_scale: AbstractLossScale, redo: i
     # that also holds the structure of its output.
     out_struct = cast(Any, attempt).out_struct
     out_dynamic_struct, out_static = eqx.partition(out_struct, _is_struct)
+    dynamic_spec = jtu.tree_map(_is_struct, out_struct)
     scale_dynamic, scale_static = eqx.partition(loss_scale, eqx.is_array)
 
     def cond(carry):
@@ -177,7 +198,15 @@ def _redo_until_finite(attempt: Callable, loss_scale: AbstractLossScale, redo: i
         grads_finite = out[-1]
         new_scale = scale.adjust(grads_finite)
         new_scale_dynamic, _ = eqx.partition(new_scale, eqx.is_array)
-        out_dynamic, _ = eqx.partition(out, eqx.is_array)
+        # Split as the traced output was, not by what the leaves are now: an
+        # output that is a constant (the finite flag of gradients with no arrays,
+        # a loss that reads no weight) comes out of the jaxpr as a NumPy scalar,
+        # which `eqx.is_array` does not count, and the carry would lose it.
+        out_dynamic = jtu.tree_map(
+            lambda struct, x: jnp.asarray(x, struct.dtype),
+            out_dynamic_struct,
+            eqx.filter(out, dynamic_spec),
+        )
         scale_moved = new_scale.loss_scale != scale.loss_scale
         return (
             tries + 1,
