@@ -19,6 +19,7 @@ from ._fp8 import FP8_ROWWISE as FP8_ROWWISE
 from ._fp8 import fp8_dot_general as fp8_dot_general
 from ._grad import filter_grad as filter_grad
 from ._grad import filter_value_and_grad as filter_value_and_grad
+from ._jaxpr._compat import warn_if_untested as _warn_if_untested
 from ._loss_scale import AbstractLossScale as AbstractLossScale
 from ._loss_scale import DynamicLossScale as DynamicLossScale
 from ._loss_scale import NoOpLossScale as NoOpLossScale
@@ -49,6 +50,8 @@ from ._report import precision_report as precision_report
 from ._sharding import gather_params as gather_params
 from ._updates import apply_updates as apply_updates
 
+
+_warn_if_untested()
 
 try:
     __version__ = importlib.metadata.version("eqx_amp")

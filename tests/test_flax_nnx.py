@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
-from flax import nnx
+import pytest
 
 import eqx_amp
 
@@ -30,6 +30,10 @@ from .helpers import (
     walk_eqns,
 )
 
+
+nnx = pytest.importorskip(
+    "flax.nnx", reason='needs the flax extra: pip install -e ".[flax]"'
+)
 
 F32, BF16 = jnp.dtype("float32"), jnp.dtype("bfloat16")
 POLICY = "params=float32,compute=bfloat16,output=float32"

@@ -16,12 +16,16 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 
 import eqx_amp
 
 from .helpers import run_script_on_eight_devices
+
+
+ocp = pytest.importorskip(
+    "orbax.checkpoint", reason='needs the orbax extra: pip install -e ".[orbax]"'
+)
 
 
 WIDTH, FEATURES, BATCH = 32, 8, 64

@@ -1,17 +1,40 @@
 #!/usr/bin/env bash
-# Runs the test suite against a given jax release (default: the newest the package
-# index has) in a virtual environment of its own, on a Python that release supports.
-#
-#   bash tools/check_jax.sh            # the newest jax
-#   bash tools/check_jax.sh 0.12.0.1   # one release
-#
-# jax 0.11 and later need Python >= 3.12: the first of $PYTHON, python3.13,
-# python3.12 and pyenv's 3.13/3.12 installs that is new enough is used. If there is
-# none, this says so and exits 0 (nothing was tested). The notebook test is skipped
-# here (it is run by the main test command).
+# Runs the test suite against a given jax release in a virtual environment of its own,
+# on a Python that release supports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+usage() {
+    cat <<'USAGE'
+usage: bash tools/check_jax.sh [VERSION|newest] [PYTEST_ARGS...]
+
+Builds .venv-jax-VERSION with that jax release (default: newest, the newest the
+package index has) and the project's test extras, on a Python >= 3.12 from this
+machine, then runs `python -m pytest -q PYTEST_ARGS` there (the fast tier unless the
+arguments say otherwise, e.g. `-m slow`).
+
+  bash tools/check_jax.sh               # the newest jax, fast tier
+  bash tools/check_jax.sh 0.11.2        # one release
+  bash tools/check_jax.sh newest -m ""  # the newest jax, both tiers
+
+Python: the first of $PYTHON, python3.13, python3.12 and pyenv's 3.13/3.12 installs
+that is >= 3.12 (jax 0.11 and later need it). If there is none, this says so and
+exits 0, having tested nothing.
+USAGE
+}
+
 version="${1:-newest}"
+case "$version" in
+-h | --help | help)
+    usage
+    exit 0
+    ;;
+esac
+[[ $# -gt 0 ]] && shift
+if [[ "$version" != newest && ! "$version" =~ ^[0-9]+(\.[0-9]+){1,3}([a-z]+[0-9]*)?$ ]]; then
+    echo "check_jax: '$version' is not a jax version (expected e.g. 0.12.0, or newest; --help for usage)" >&2
+    exit 2
+fi
 
 candidates=()
 [[ -n "${PYTHON:-}" ]] && candidates+=("$PYTHON")
@@ -38,14 +61,20 @@ fi
 venv=".venv-jax-${version}"
 rm -rf "$venv"
 "$python" -m venv "$venv"
-if [[ "$version" == newest ]]; then
-    pins=()
-else
-    pins=("jax==${version}")
+pins=()
+[[ "$version" != newest ]] && pins=("jax==${version}")
+log="$venv/pip.log"
+if ! "$venv/bin/pip" install -q -e ".[test,examples,docs,flax,orbax]" "${pins[@]}" >"$log" 2>&1; then
+    if grep -q "No matching distribution" "$log"; then
+        echo "check_jax: jax ${version} is not on the package index for Python" \
+            "$("$python" -c 'import sys; print(sys.version.split()[0])') (pip's log: $log)" >&2
+    else
+        echo "check_jax: installing jax ${version} failed (pip's log: $log)" >&2
+    fi
+    exit 2
 fi
-"$venv/bin/pip" install -q -e ".[test,examples,docs,flax,orbax]" "${pins[@]}"
 "$venv/bin/python" - <<'PY'
 import sys, jax
 print(f"check_jax: testing jax {jax.__version__} on Python {sys.version.split()[0]}")
 PY
-"$venv/bin/python" -m pytest -q --ignore=tests/test_notebook.py
+"$venv/bin/python" -m pytest -q "$@"

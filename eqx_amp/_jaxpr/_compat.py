@@ -1,33 +1,139 @@
 """Every private or version-sensitive JAX name eqx_amp touches, in one place.
 
-Tested on jax 0.10.x, 0.11.x and 0.12.x (see pyproject.toml). Each shim says what it
-needs and why no public API does it. Version differences are found by feature
-detection (what a param dict holds, which attribute exists), never by comparing
-version numbers, and nowhere but here.
+Tested on jax 0.10.x, 0.11.x and 0.12.x (`TESTED_JAX`). Each shim says what it needs
+and why no public API does it. Version differences are found by feature detection
+(what a param dict holds, which attribute exists), never by comparing version
+numbers, and nowhere but here.
+
+The package has no upper bound on jax. On a newer jax, `import eqx_amp` warns once
+(`warn_if_untested`) and never fails: a private name that moved is recorded in
+`MISSING_INTERNALS` instead of raising at import, so the call-boundary path
+(`filter_amp`, `BiModel`, loss scaling, the optimizer transforms), which needs none of
+them, keeps working. The jaxpr layer (`autocast`, the diagnostics, the fp8 and
+reduce-dtype passes) checks `require_known_internals()` on entry and turns an
+internal it does not know into one `UnsupportedJaxError` naming the jax version and
+the tested range (`unknown_internals`), never a bare `KeyError`/`AttributeError`.
 """
 
 import contextlib
+import importlib
 import os
 import re
+import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.extend as jex
 import numpy as np
-from jax._src import callback as _callback  # callback primitives: not in jax.extend
-from jax._src import debugging as _debugging
-from jax._src import shard_map as _shard_map  # `shard_map_p` is not in jax.extend
-from jax._src import source_info_util  # no public API re-enters an eqn's source info
-from jax._src.lax import lax as _lax_internal  # `ragged_dot_general_p` is not public
-from jax._src.lax.control_flow import solves as _solves  # `linear_solve_p`
 
+
+# The jax minors the test suite runs on (CI: the oldest and the newest).
+TESTED_JAX = ((0, 10), (0, 12))
+
+
+def _tested_range() -> str:
+    (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_JAX
+    return f"{lo_major}.{lo_minor}.x to {hi_major}.{hi_minor}.x"
+
+
+def _minor(version: str) -> tuple[int, int] | None:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def warn_if_untested(version: str | None = None) -> bool:
+    """Warns (once per import) when jax is newer than the newest tested minor;
+    returns whether it warned."""
+    version = jax.__version__ if version is None else version
+    minor = _minor(version)
+    if minor is None or minor <= TESTED_JAX[1]:
+        return False
+    warnings.warn(
+        f"eqx_amp is tested with jax {_tested_range()}; this is jax {version}. "
+        "filter_amp, BiModel, loss scaling and the optimizer transforms use only "
+        "public JAX APIs; autocast, precision_report, find_nonfinite and the fp8 "
+        "rules read JAX internals and raise an error naming what changed if they "
+        "meet one they do not know.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return True
+
+
+class UnsupportedJaxError(RuntimeError):
+    """The jaxpr layer met a JAX internal that this eqx_amp does not know."""
+
+
+def unsupported(what: str) -> UnsupportedJaxError:
+    return UnsupportedJaxError(
+        f"eqx_amp's jaxpr layer (autocast, precision_report, find_nonfinite, fp8 and "
+        f"reduce-dtype passes) does not know this JAX internal of jax "
+        f"{jax.__version__}: {what}. eqx_amp is tested with jax {_tested_range()}: "
+        "install one of those (for example `pip install 'jax<0.13'`) or a newer "
+        "eqx_amp. filter_amp, BiModel, loss scaling and the optimizer transforms do "
+        "not need JAX internals and keep working."
+    )
+
+
+# Private names that could not be found on this jax, each "module.name".
+MISSING_INTERNALS: list[str] = []
+
+
+def _internal(module: str, name: str | None = None, *, required: bool = True) -> Any:
+    """The module `module` (or its attribute `name`), or None, recorded in
+    `MISSING_INTERNALS` if `required`, where this jax has moved or removed it."""
+    try:
+        found = importlib.import_module(module)
+        return found if name is None else getattr(found, name)
+    except (ImportError, AttributeError):
+        if required:
+            MISSING_INTERNALS.append(module if name is None else f"{module}.{name}")
+        return None
+
+
+def require_known_internals() -> None:
+    """Raises `UnsupportedJaxError` if a private name the jaxpr layer needs is
+    missing from this jax."""
+    if MISSING_INTERNALS:
+        raise unsupported("missing " + ", ".join(MISSING_INTERNALS))
+
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def unknown_internals(eqn: Any) -> Iterator[None]:
+    """Turns a `KeyError`/`AttributeError`/`IndexError` raised by eqx_amp's own code
+    while it reads an equation (a param or attribute this jax no longer has) into an
+    `UnsupportedJaxError`. Errors raised inside user code or JAX pass unchanged."""
+    try:
+        yield
+    except (KeyError, AttributeError, IndexError) as error:
+        innermost = traceback.extract_tb(error.__traceback__)[-1].filename
+        if not os.path.abspath(innermost).startswith(_PACKAGE_ROOT):
+            raise
+        raise unsupported(
+            f"the `{eqn.primitive}` equation ({type(error).__name__}: {error}; "
+            f"its params are {sorted(eqn.params)})"
+        ) from error
+
+
+# No public API re-enters an equation's source info or names the user's frame.
+source_info_util = _internal("jax._src.source_info_util")
+# Callback primitives, `shard_map_p`, `linear_solve_p` and `ragged_dot_general_p`
+# are not in jax.extend.
+_callback = _internal("jax._src.callback")
+_debugging = _internal("jax._src.debugging", required=False)
+_solves = _internal("jax._src.lax.control_flow.solves", required=False)
+_lax_internal = _internal("jax._src.lax.lax", required=False)
+_batching = _internal("jax._src.interpreters.batching")
 
 # Source lines of traced ops name the user's code, not eqx_amp's casts and wrappers
 # (Equinox registers its own files the same way).
-source_info_util.register_exclusion(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)
+if source_info_util is not None:
+    source_info_util.register_exclusion(_PACKAGE_ROOT)
 
 Literal = jex.core.Literal
 Jaxpr = jex.core.Jaxpr
@@ -40,20 +146,28 @@ Primitive = jex.core.Primitive
 
 _primitives = jex.core.primitives
 
-jit_p = _primitives.jit_p
-closed_call_p = _primitives.closed_call_p
+
+def _primitive(name: str, *, required: bool = True) -> Any:
+    primitive = getattr(_primitives, name, None)
+    if primitive is None and required:
+        MISSING_INTERNALS.append(f"jax.extend.core.primitives.{name}")
+    return primitive
+
+
+jit_p = _primitive("jit_p")
+closed_call_p = _primitive("closed_call_p")
 # JAX main replaces `call_p`/`closed_call_p` with `eval_jaxpr_p`: detect either.
-call_p = getattr(_primitives, "call_p", None)
-eval_jaxpr_p = getattr(_primitives, "eval_jaxpr_p", None)
-remat_p = _primitives.remat_p
-scan_p = _primitives.scan_p
-while_p = _primitives.while_p
-cond_p = _primitives.cond_p
-custom_jvp_call_p = _primitives.custom_jvp_call_p
-custom_vjp_call_p = _primitives.custom_vjp_call_p
-shard_map_p = _shard_map.shard_map_p
-add_jaxvals_p = getattr(_primitives, "add_jaxvals_p", None)
-sharding_constraint_p = _primitives.sharding_constraint_p
+call_p = _primitive("call_p", required=False)
+eval_jaxpr_p = _primitive("eval_jaxpr_p", required=False)
+remat_p = _primitive("remat_p")
+scan_p = _primitive("scan_p")
+while_p = _primitive("while_p")
+cond_p = _primitive("cond_p")
+custom_jvp_call_p = _primitive("custom_jvp_call_p")
+custom_vjp_call_p = _primitive("custom_vjp_call_p")
+shard_map_p = _internal("jax._src.shard_map", "shard_map_p")
+add_jaxvals_p = _primitive("add_jaxvals_p", required=False)
+sharding_constraint_p = _primitive("sharding_constraint_p")
 # `lax.custom_linear_solve` (inside `jnp.linalg.solve`): its jaxprs sit in a
 # namedtuple param.
 linear_solve_p = getattr(_solves, "linear_solve_p", None)
@@ -267,9 +381,9 @@ def is_batched(value: Any) -> bool:
     """Whether `value` is being traced by `jax.vmap` at the innermost level, where a
     function bound on it is batched before it is differentiated. No public API says
     which transformation a tracer belongs to."""
-    from jax._src.interpreters import batching
-
-    return isinstance(value, batching.BatchTracer)
+    if _batching is None:
+        raise unsupported("jax._src.interpreters.batching.BatchTracer is missing")
+    return isinstance(value, _batching.BatchTracer)
 
 
 def abstract_like(value: Any, dtype: Any) -> jax.ShapeDtypeStruct:
@@ -283,3 +397,29 @@ def abstract_like(value: Any, dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(
         value.shape, dtype, sharding=aval.sharding, manual_axis_type=manual
     )
+
+
+#
+# Added for issue 26 item 17 (sharding helper): whether a manual axis is unchecked.
+#
+
+
+def is_unchecked_manual_axis(axis_name: Any) -> bool:
+    """Whether `axis_name` is a manual axis of a `jax.shard_map` traced with
+    `check_vma=False`, as `jax.pmap` is (it runs through `shard_map(check_vma=False)`).
+    There JAX types no value as varying and transposes a `psum` into another `psum`,
+    so gradients are per device. No public API says whether the enclosing
+    `shard_map` checks its types; JAX's own `pvary` reads this same state."""
+    from jax._src import config as _config
+
+    check_vma = getattr(_config, "_check_vma", None)
+    if check_vma is None:
+        return False
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    return all(name in manual for name in names) and not bool(check_vma.value)
+
+
+#
+# End of the block added for issue 26 item 17.
+#

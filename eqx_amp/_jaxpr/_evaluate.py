@@ -169,6 +169,7 @@ def evaluate(
 ) -> tuple[list, list[Origin]]:
     """Evaluates a (closed or open) jaxpr under `hook`. `origins` says what each
     argument is (data by default). Returns the outputs and their origins."""
+    compat.require_known_internals()
     jaxpr, consts = compat.open_jaxpr(closed)
     env: dict[Any, Any] = {}
     origin_env: dict[Any, Origin] = {}
@@ -206,7 +207,7 @@ def evaluate(
             out_origins[:] = origins_made
             return outs
 
-        with compat.equation_context(eqn):
+        with compat.equation_context(eqn), compat.unknown_internals(eqn):
             outvals = jaxpr_hook.equation(
                 eqn, invals, in_origins, eqn_frame, evaluate_eqn
             )
