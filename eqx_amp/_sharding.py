@@ -10,9 +10,11 @@ reduce-scatter that transposes the gather of the parameters, so `gather_params`
 casts before it gathers and reduces in the chosen dtype.
 """
 
+import contextlib
+import contextvars
 import functools as ft
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -229,11 +231,51 @@ class ReduceInHook(Hook):
 #
 
 
+def _is_manual_axis(axis_name: Hashable) -> bool:
+    """Whether `axis_name` is an axis of an enclosing `jax.shard_map` (or `jax.pmap`),
+    rather than of a `jax.vmap`."""
+    return axis_name in jax.sharding.get_abstract_mesh().manual_axes
+
+
+# Under `jax.shard_map(check_vma=False)`, `jax.pmap` and a named `jax.vmap`, JAX
+# transposes a `psum` (and so the `pmean` of the FSDP recipe's loss) into another
+# `psum`: every device's cotangent is the axis size times what it is with
+# `check_vma=True`, which is why replicated gradients are averaged there
+# (`axis_name` with `average=True`). The transpose of the gather averages in those
+# modes for the same reason, so the recipe's gradients are the same in every mode.
+
+# The axes `gather_params` gathered shards over while a gradient function traced
+# its loss (`recording_gathers`): averaging those gradients would mix shards, and
+# without `check_vma` no type says so.
+_gathers: contextvars.ContextVar[set | None] = contextvars.ContextVar(
+    "eqx_amp_gathers", default=None
+)
+
+
+def _record_gather(axis_name: Hashable) -> None:
+    gathered = _gathers.get()
+    if gathered is not None:
+        gathered.add(axis_name)
+
+
+@contextlib.contextmanager
+def recording_gathers() -> Iterator[set]:
+    """Collects the axes `gather_params` gathers shards over inside the block."""
+    gathered: set = set()
+    token = _gathers.set(gathered)
+    try:
+        yield gathered
+    finally:
+        _gathers.reset(token)
+
+
 _NOTHING_SHARDED = (
     "`gather_params` found no array in the tree that varies over the axis {axis!r}. "
     "Without `specs`, it gathers the arrays `jax.shard_map` types as differing per "
     "device (those passed in with {axis!r} in their `in_specs`), which needs "
-    "`check_vma=True` (the default); or pass `specs=`, the shards' `in_specs`."
+    "`check_vma=True` (the default: `jax.pmap`, `jax.vmap` and "
+    "`jax.shard_map(check_vma=False)` type no array as varying); or pass `specs=`, "
+    "the shards' `in_specs`."
 )
 
 
@@ -243,12 +285,14 @@ def _gather_one(
     axis: int | None,
     compute_dtype: np.dtype | None,
     reduce_dtype: np.dtype,
+    per_device: bool,
 ) -> Any:
     """`leaf` cast to `compute_dtype` (if given) and gathered along `axis` (a shard)
     or marked as varying over the axis (`axis=None`: a replicated leaf, which the
     data it meets varies with). Its gradient is summed across the axis, by a
     reduce-scatter or a psum, in `reduce_dtype` (or in the gradient's own dtype, if
-    that is wider)."""
+    that is wider). With `per_device` (see `_per_device_gradients`) it is averaged
+    instead."""
 
     def cast(x):
         return x if compute_dtype is None else cast_leaf(x, compute_dtype)
@@ -263,6 +307,8 @@ def _gather_one(
     @jax.custom_vjp
     def gather(leaf):
         if axis is None:
+            if not _is_manual_axis(axis_name):
+                return cast(leaf)  # `jax.vmap` has no varying types
             return lax.pcast(cast(leaf), axis_name, to="varying")
         return lax.all_gather(cast(leaf), axis_name, axis=axis, tiled=True)
 
@@ -277,6 +323,8 @@ def _gather_one(
             summed = lax.psum_scatter(
                 cotangent, axis_name, scatter_dimension=axis, tiled=True
             )
+        if per_device:
+            summed = summed / np.asarray(lax.axis_size(axis_name), summed.dtype)
         return (summed.astype(leaf.dtype),)
 
     gather.defvjp(forward, backward)
@@ -295,6 +343,11 @@ def gather_params(
     the compute dtype first, so that the all-gather moves half-precision bytes; their
     gradients are summed back into shards with a reduce-scatter in the policy's
     `reduce_dtype`.
+
+    Under `jax.pmap`, `jax.shard_map(check_vma=False)` and a named `jax.vmap`, where
+    JAX transposes the loss's `pmean` into a `psum` (every device's gradient is the
+    axis size times larger), the reduce-scatter averages instead, so the FSDP recipe
+    below gives the same gradients in every mode.
 
     **Arguments:**
 
@@ -342,12 +395,19 @@ def gather_params(
     spec = default_filter_spec(shards) if filter_spec is None else filter_spec
     mask = selection_mask(shards, spec)
     dims = _gathered_dims(shards, axis_name, specs)
+    per_device = not _is_manual_axis(axis_name) or compat.is_unchecked_manual_axis(
+        axis_name
+    )
+    if any(d is not None for d in jtu.tree_leaves(dims, is_leaf=_none)):
+        _record_gather(axis_name)
 
     def gather(selected, dim, leaf):
         if not eqx.is_array(leaf):
             return leaf
         compute = policy.compute_dtype if selected else None
-        return _gather_one(leaf, axis_name, dim, compute, policy.reduce_dtype)
+        return _gather_one(
+            leaf, axis_name, dim, compute, policy.reduce_dtype, per_device
+        )
 
     with unbound_axis_name_error(axis_name):
         return jtu.tree_map(gather, mask, dims, shards)
