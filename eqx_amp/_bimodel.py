@@ -52,7 +52,7 @@ from ._rounding import (
     wrap_key,
 )
 from ._updates import add_in_float32, is_none, paired_leaves
-from ._wrapper import check_callable
+from ._wrapper import check_callable, user_stacklevel
 
 
 _NESTED_BIMODEL = (
@@ -500,7 +500,8 @@ def _warn_if_compute_overflows(
         mask,
         cast_by="The compute copy is",
         fix=KEEP_OR_RESCALE,
-        stacklevel=4,
+        # At the user's line, past Equinox's frames that build a module.
+        stacklevel=user_stacklevel() + 1,
     )
 
 
@@ -538,7 +539,7 @@ def _compensation_state(
                 "compensation: an update smaller than about "
                 f"2^-{jnp.finfo(dtype).nmant + 2} of its weight rounds away, so "
                 f"training stalls once the steps are small. {fix}",
-                stacklevel=5,
+                stacklevel=user_stacklevel(),
             )
         return None, None
     if compensation not in COMPENSATIONS:

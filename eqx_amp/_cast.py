@@ -276,6 +276,53 @@ def overflowing_leaves(
     return [jtu.keystr(path) for (path, _), bad in zip(candidates, too_large) if bad]
 
 
+# The dtypes a policy set later (`eqx_amp.using_policy`) may compute in. Not every
+# float8 type: a record that changes only when a weight crosses one of these few
+# limits keeps a wrapper rebuilt every step from being traced again.
+_NARROW_FLOATS = tuple(
+    jnp.dtype(name)
+    for name in ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+)
+
+
+def overflows_by_dtype(
+    tree: PyTree, mask: PyTree[bool] | None
+) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """For each dtype a policy could compute in, the paths of the
+    concrete floating arrays of `tree` (those `mask` selects) holding a finite value
+    too large for it. Hashable, so that a wrapper built before its policy is known
+    (`policy=None`) can carry it as static data and warn where the policy is read,
+    even where its weights are traced by then."""
+    leaves = jtu.tree_leaves_with_path(tree)
+    selected = [True] * len(leaves) if mask is None else jtu.tree_leaves(mask)
+    candidates = [
+        (path, leaf)
+        for (path, leaf), keep in zip(leaves, selected)
+        if keep
+        and is_floating_array(leaf)
+        and not isinstance(leaf, jax.core.Tracer)
+        and leaf.size
+    ]
+    # One reduction per leaf where it lives, brought to the host in one transfer.
+    largest = jax.device_get(
+        [
+            jnp.max(jnp.where(jnp.isfinite(leaf), jnp.abs(leaf), 0))
+            for _, leaf in candidates
+        ]
+    )
+    record = []
+    for dtype in _NARROW_FLOATS:
+        limit = float(jnp.finfo(dtype).max)
+        paths = tuple(
+            jtu.keystr(path)
+            for (path, _), value in zip(candidates, largest)
+            if float(value) > limit
+        )
+        if paths:
+            record.append((dtype.name, paths))
+    return tuple(record)
+
+
 def describe_leaves(paths: list[str], limit: int = 5) -> str:
     shown = ", ".join(paths[:limit])
     return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
@@ -299,7 +346,24 @@ def warn_if_cast_overflows(
     """Warns, naming the leaves, where concrete weights of `tree` would become inf
     when cast to `dtype`. `cast_by` opens the message ("`filter_amp` casts the
     weights to"), `fix` ends it."""
-    paths = overflowing_leaves(tree, dtype, mask)
+    warn_of_overflow(
+        overflowing_leaves(tree, dtype, mask),
+        dtype,
+        cast_by=cast_by,
+        fix=fix,
+        stacklevel=stacklevel + 1,
+    )
+
+
+def warn_of_overflow(
+    paths: list[str] | tuple[str, ...],
+    dtype: Any,
+    *,
+    cast_by: str,
+    fix: str,
+    stacklevel: int,
+) -> None:
+    """The warning of `warn_if_cast_overflows`, for leaves found before."""
     if not paths:
         return
     many = len(paths) > 1

@@ -22,7 +22,9 @@ from ._cast import (
     drop_state,
     is_floating_array,
     is_half_dtype,
+    overflows_by_dtype,
     warn_if_cast_overflows,
+    warn_of_overflow,
     widest_floating_dtype,
 )
 from ._filters import (
@@ -38,7 +40,7 @@ from ._jaxpr._evaluate import evaluate_function
 from ._policy import Policy, get_policy, resolve_policy
 from ._report import precision_report
 from ._sharding import ReduceInHook
-from ._wrapper import FunctionWrapper, check_callable
+from ._wrapper import FunctionWrapper, check_callable, user_stacklevel
 
 
 _F = TypeVar("_F", bound=Callable)
@@ -320,9 +322,20 @@ class _AmpWrapper(FunctionWrapper):
     fp8_filter: Callable[[eqx.Module], bool] | None = eqx.field(
         static=True, default=None
     )
+    # With `policy=None`: the weights too large for each dtype but the one in force
+    # where `filter_amp` was applied (warned about there), as
+    # `overflows_by_dtype` gives them; said where the policy is read.
+    weight_overflows: tuple = eqx.field(static=True, default=())
 
     def __call__(self, *args, **kwargs):
         policy = resolve_policy(self.policy)
+        warn_of_overflow(
+            dict(self.weight_overflows).get(policy.compute_dtype.name, ()),
+            policy.compute_dtype,
+            cast_by=_CASTS_WEIGHTS_TO,
+            fix=KEEP_OR_RESCALE,
+            stacklevel=user_stacklevel() + 1,  # warned one call down
+        )
         fn = _amp_view(self.fn, policy, self.filter_spec, {})
         args, kwargs = _cast_arguments(args, kwargs, policy, self.arg_spec)
         _check_coverage_once(self.fn, fn, args, kwargs, policy)
@@ -538,27 +551,47 @@ def filter_amp(
         policy = get_policy(policy)
     _check_filter_spec(fn, filter_spec)
     _check_mutable_captures(fn)
-    _warn_if_weights_overflow(fn, resolve_policy(policy), filter_spec)
-    wrapper = _AmpWrapper(fn, policy, filter_spec, arg_spec, fp8, fp8_filter)
+    overflows = _warn_if_weights_overflow(fn, policy, filter_spec)
+    wrapper = _AmpWrapper(
+        fn, policy, filter_spec, arg_spec, fp8, fp8_filter, weight_overflows=overflows
+    )
     return eqx.module_update_wrapper(wrapper)
 
 
+_CASTS_WEIGHTS_TO = "`filter_amp` casts the weights to"
+
+
 def _warn_if_weights_overflow(
-    fn: Any, policy: Policy, filter_spec: FilterSpec | None
-) -> None:
+    fn: Any, policy: Policy | None, filter_spec: FilterSpec | None
+) -> tuple:
     """Says where the weights are concrete (not inside `jit`) that some will be
-    cast to inf: once, when `filter_amp` is applied."""
+    cast to inf, when `filter_amp` is applied. With no policy, the one in force
+    now is checked, and what other compute dtypes would make inf is returned, for
+    the call to say where a `using_policy` block sets one."""
     if not (isinstance(fn, eqx.Module) or _is_pytree_node(fn)):
-        return
+        return ()
     spec = default_filter_spec(fn) if filter_spec is None else filter_spec
-    warn_if_cast_overflows(
-        fn,
-        policy.compute_dtype,
-        selection_mask(fn, spec),
-        cast_by="`filter_amp` casts the weights to",
+    mask = selection_mask(fn, spec)
+    if policy is not None:
+        warn_if_cast_overflows(
+            fn,
+            policy.compute_dtype,
+            mask,
+            cast_by=_CASTS_WEIGHTS_TO,
+            fix=KEEP_OR_RESCALE,
+            stacklevel=4,
+        )
+        return ()
+    now = resolve_policy(None).compute_dtype
+    overflows = dict(overflows_by_dtype(fn, mask))
+    warn_of_overflow(
+        overflows.pop(now.name, ()),
+        now,
+        cast_by=_CASTS_WEIGHTS_TO,
         fix=KEEP_OR_RESCALE,
         stacklevel=4,
     )
+    return tuple(overflows.items())
 
 
 def _check_filter_spec(fn: Any, filter_spec: FilterSpec | None) -> None:

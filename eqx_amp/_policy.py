@@ -1,11 +1,11 @@
 """Mixed-precision policies: which dtype parameters, computation and outputs use."""
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
@@ -208,7 +208,7 @@ def get_policy(policy: str | Policy) -> Policy:
     if not isinstance(policy, str):
         raise TypeError(
             f"`policy` must be a string or an `eqx_amp.Policy`, not "
-            f"{type(policy).__name__}. {_GRAMMAR}"
+            f"{_describe_non_policy(policy)}. {_GRAMMAR}"
         )
     text = policy.strip().lower()
     if text == "mixed_bfloat16":
@@ -242,6 +242,18 @@ def get_policy(policy: str | Policy) -> Policy:
     return Policy(param, compute, output, dtypes.get("reduce"))
 
 
+def _describe_non_policy(value: Any) -> str:
+    """A dtype given for a policy is named with the string that means it."""
+    if value is not None and not isinstance(value, (bool, int, float)):
+        try:
+            name = jnp.dtype(value).name
+        except TypeError:
+            pass
+        else:
+            return f"the dtype {name} (the policy string {name!r} means that dtype throughout)"
+    return type(value).__name__
+
+
 def _parse_word(word: str, policy: str, what: str) -> np.dtype:
     try:
         return floating_dtype(word, "policy")
@@ -264,10 +276,13 @@ def _parse_word(word: str, policy: str, what: str) -> np.dtype:
     )
 
 
-# The policies `using_policy` has set, innermost last; per thread and task.
-_SCOPED_POLICIES: contextvars.ContextVar[tuple[Policy, ...]] = contextvars.ContextVar(
-    "eqx_amp_scoped_policies", default=()
-)
+# The innermost policy `using_policy` has set (`None` outside every block), per
+# thread. A JAX user context, not a plain context variable: it is read where a call
+# is traced, so it must be part of the key under which `jax.jit` and
+# `eqx.filter_jit` cache their traces, or a step traced outside a block would run
+# its old dtypes inside it (and one traced inside would keep the block's dtypes
+# after it). JAX's own scoped settings that change a program are in that key too.
+_SCOPED_POLICY = jax.make_user_context(None)
 
 
 def default_policy() -> Policy:
@@ -283,9 +298,9 @@ def default_policy() -> Policy:
     # Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32)
     ```
     """
-    scoped = _SCOPED_POLICIES.get()
-    if scoped:
-        return scoped[-1]
+    scoped = _SCOPED_POLICY.value
+    if scoped is not None:
+        return scoped
     return Policy(jnp.float32, half_dtype(), jnp.float32)
 
 
@@ -293,9 +308,10 @@ def default_policy() -> Policy:
 def using_policy(policy: "str | Policy") -> Iterator[Policy]:
     """Sets the default policy inside a `with` block, for every `filter_amp`,
     `autocast` and `BiModel` given no `policy=`. It is read where their calls are
-    traced (`filter_amp` and `autocast`) or where they are built (`BiModel`), so
-    wrap the code that traces the step; an explicit `policy=` still wins. Blocks
-    nest, and the setting is per thread.
+    traced (`filter_amp` and `autocast`) or where they are built (`BiModel`), and
+    it is part of the cache key of `jax.jit` and `eqx.filter_jit`: a step jitted
+    before the block is traced again inside it, and again after it. An explicit
+    `policy=` still wins. Blocks nest, and the setting is per thread.
 
     **Arguments:**
 
@@ -309,11 +325,8 @@ def using_policy(policy: "str | Policy") -> Iterator[Policy]:
     ```
     """
     resolved = get_policy(policy)
-    token = _SCOPED_POLICIES.set(_SCOPED_POLICIES.get() + (resolved,))
-    try:
+    with _SCOPED_POLICY(resolved):
         yield resolved
-    finally:
-        _SCOPED_POLICIES.reset(token)
 
 
 def resolve_policy(policy: "str | Policy | None") -> Policy:

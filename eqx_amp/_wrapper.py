@@ -1,10 +1,14 @@
 """The base of the callables eqx_amp returns."""
 
 import abc
+import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import jax
+import jaxtyping
 
 
 class FunctionWrapper(eqx.Module):
@@ -36,3 +40,26 @@ def check_callable(fn: Any, transform: str) -> None:
             f"`{transform}` takes a callable (a function or an `eqx.Module`), but got "
             f"{type(fn).__name__}."
         )
+
+
+# Frames in these directories are library code: a warning about the user's program
+# points past them, at the user's own line.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+    for module in (jax, eqx, jaxtyping)
+) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` for a `warnings.warn` made by the function calling this one
+    that points at the innermost line of user code: the first frame outside
+    eqx_amp, JAX and Equinox. A call traced by `jax.jit` or `jax.vmap` runs below
+    their frames, where a fixed stacklevel would name a line of JAX."""
+    frame = inspect.currentframe()
+    # Level 1 is the function calling this one; warnings count from there.
+    frame = frame.f_back.f_back if frame and frame.f_back else None
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame = frame.f_back
+        level += 1
+    return level if frame is not None else 2

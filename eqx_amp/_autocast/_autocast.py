@@ -7,10 +7,10 @@ from typing import Any, TypeVar, overload
 
 import equinox as eqx
 
-from .._cast import warn_if_cast_overflows
+from .._cast import overflows_by_dtype, warn_of_overflow
 from .._jaxpr._evaluate import evaluate_function
 from .._policy import Policy, get_policy, resolve_policy
-from .._wrapper import FunctionWrapper, check_callable
+from .._wrapper import FunctionWrapper, check_callable, user_stacklevel
 from ._hook import AutocastHook
 from ._rules import RuleTable
 
@@ -28,9 +28,20 @@ class _AutocastWrapper(FunctionWrapper):
     # `None`: the default policy where the call is traced (`eqx_amp.using_policy`).
     policy: Policy | None = eqx.field(static=True)
     rules: RuleTable = eqx.field(static=True)
+    # With `policy=None`: the weights too large for each dtype but the one in force
+    # where `autocast` was applied (warned about there); said where the policy is
+    # read.
+    weight_overflows: tuple = eqx.field(static=True, default=())
 
     def __call__(self, *args, **kwargs):
         policy = resolve_policy(self.policy)
+        warn_of_overflow(
+            dict(self.weight_overflows).get(policy.compute_dtype.name, ()),
+            policy.compute_dtype,
+            cast_by=_RUNS_MATMULS_IN,
+            fix=_KEEP_OPS_OR_RESCALE,
+            stacklevel=user_stacklevel() + 1,  # warned one call down
+        )
         if self.rules.uses_fp8 and policy.compute_dtype.itemsize < 2:
             raise ValueError(
                 f"`eqx_amp.FP8` quantises matmul operands from the compute dtype and "
@@ -134,17 +145,29 @@ def autocast(
     check_callable(fn, "autocast")
     if policy is not None:
         policy = get_policy(policy)
+    overflows: tuple = ()
     # Not `isinstance`: the checker would narrow `fn` to a Module it no longer
     # knows to be callable.
     if _is_module(fn):
-        # Matmuls read the weights in the compute dtype.
-        warn_if_cast_overflows(
-            fn,
-            resolve_policy(policy).compute_dtype,
-            None,
-            cast_by="`autocast` runs matmuls in",
-            fix="Keep those ops in float32 with a rule (`rules={scope: eqx_amp.FULL}`), "
-            "use bfloat16 (float32's range), or rescale the model.",
+        # Matmuls read the weights in the compute dtype. With no policy, the one in
+        # force now is checked here, and the call checks the one in force there.
+        now = resolve_policy(policy).compute_dtype
+        by_dtype = dict(overflows_by_dtype(fn, None))
+        warn_of_overflow(
+            by_dtype.pop(now.name, ()),
+            now,
+            cast_by=_RUNS_MATMULS_IN,
+            fix=_KEEP_OPS_OR_RESCALE,
+            stacklevel=3,
         )
-    wrapper = _AutocastWrapper(fn, policy, RuleTable(rules))
+        if policy is None:
+            overflows = tuple(by_dtype.items())
+    wrapper = _AutocastWrapper(fn, policy, RuleTable(rules), weight_overflows=overflows)
     return eqx.module_update_wrapper(wrapper)
+
+
+_RUNS_MATMULS_IN = "`autocast` runs matmuls in"
+_KEEP_OPS_OR_RESCALE = (
+    "Keep those ops in float32 with a rule (`rules={scope: eqx_amp.FULL}`), use "
+    "bfloat16 (float32's range), or rescale the model."
+)
