@@ -112,9 +112,9 @@ def _value_and_scaled_grad(
         return loss_scale.scale(loss), (loss, aux)
 
     with recording_gathers() as gathered:
-        (_, (value, aux)), grads = eqx.filter_value_and_grad(
-            scaled_loss, has_aux=True
-        )(x, loss_scale)
+        (_, (value, aux)), grads = eqx.filter_value_and_grad(scaled_loss, has_aux=True)(
+            x, loss_scale
+        )
     grads = loss_scale.unscale(grads)
     if axis_name is not None and average:
         _check_replicated(x, axis_name)

@@ -291,8 +291,8 @@ def _gather_one(
     or marked as varying over the axis (`axis=None`: a replicated leaf, which the
     data it meets varies with). Its gradient is summed across the axis, by a
     reduce-scatter or a psum, in `reduce_dtype` (or in the gradient's own dtype, if
-    that is wider). With `per_device` (see `_per_device_gradients`) it is averaged
-    instead."""
+    that is wider). With `per_device` (`jax.pmap`,
+    `shard_map(check_vma=False)`, a named `jax.vmap`) it is averaged instead."""
 
     def cast(x):
         return x if compute_dtype is None else cast_leaf(x, compute_dtype)
@@ -317,14 +317,17 @@ def _gather_one(
 
     def backward(_, cotangent):
         cotangent = cotangent.astype(widest_dtype([reduce_dtype, cotangent.dtype]))
+        if per_device:
+            # Scaled before the sum, as `check_vma=True` scales each device's
+            # cotangent: a sum that fits there fits here.
+            size = np.asarray(lax.axis_size(axis_name), cotangent.dtype)
+            cotangent = cotangent / size
         if axis is None:
             summed = lax.psum(cotangent, axis_name)
         else:
             summed = lax.psum_scatter(
                 cotangent, axis_name, scatter_dimension=axis, tiled=True
             )
-        if per_device:
-            summed = summed / np.asarray(lax.axis_size(axis_name), summed.dtype)
         return (summed.astype(leaf.dtype),)
 
     gather.defvjp(forward, backward)
