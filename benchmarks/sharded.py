@@ -105,12 +105,15 @@ class Case:
         return policy.with_reduce_dtype(jnp.float32 if self.reduce == "f32" else None)
 
 
-def cases(quick: bool = False) -> list[Case]:
+def cases(quick: bool = False, only: str | None = None) -> list[Case]:
     """Every case of the table; `quick` (the test suite's) asks bfloat16 for its
-    compute-dtype reduction and float16 for a float32 one."""
+    compute-dtype reduction and float16 for a float32 one; `only` ("MESH/ENGINE")
+    keeps one mesh and engine."""
     out = []
     for mesh in MESHES:
         for engine in ENGINES:
+            if only is not None and only != f"{mesh}/{engine}":
+                continue
             out.append(Case("fp32", "f32", "compute", mesh, engine))
             for dtype in ("bf16", "f16"):
                 out.append(Case("hand", dtype, "compute", mesh, engine))
@@ -433,7 +436,7 @@ def measure(case: Case, model, tokens, reference) -> dict:
     }
 
 
-def run(quick: bool = False) -> list[dict]:
+def run(quick: bool = False, only: str | None = None) -> list[dict]:
     key_model, key_data = jr.split(jr.key(0))
     model = make_model(key_model)
     tokens = jr.randint(key_data, (16, 17), 0, 64)
@@ -446,7 +449,7 @@ def run(quick: bool = False) -> list[dict]:
 
     reference = jax.jit(jax.grad(reference_loss))(params)
     rows = []
-    for case in cases(quick):
+    for case in cases(quick, only):
         print("measuring", case.name, file=sys.stderr, flush=True)
         rows.append(measure(case, model, tokens, reference))
     return rows
@@ -486,6 +489,8 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--json", help="write every measurement to this file ('-': stdout)"
     )
+    groups = [f"{mesh}/{engine}" for mesh in MESHES for engine in ENGINES]
+    parser.add_argument("--only", choices=groups, help="one mesh and engine")
     args = parser.parse_args(argv)
     devices = jax.devices()
     if len(devices) < 8:
@@ -493,7 +498,7 @@ def main(argv=None) -> None:
             f"The sharded preset needs 8 devices; this machine has {len(devices)} "
             f"{devices[0].platform} device(s). On CPU it simulates 8."
         )
-    rows = run(args.quick)
+    rows = run(args.quick, args.only)
     if args.json == "-":
         print(json.dumps(rows))
         return

@@ -1,9 +1,11 @@
 """Reading dtypes from traced programs: every assertion about precision in the test
 suite goes through the jaxpr (or the compiled HLO), never through a docstring."""
 
+import atexit
 import json
 import os
 import pathlib
+import select
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -93,43 +95,105 @@ def float_dtypes(tree) -> set[np.dtype]:
 
 def run_on_eight_devices(script: str) -> dict:
     """Runs `tests/<script>` on 8 fake CPU devices and returns the JSON report it
-    prints last. The device count must be set before JAX is imported, so the script
-    runs in a fresh interpreter."""
+    prints last."""
     root = pathlib.Path(__file__).resolve().parent.parent
-    return _run_eight_devices([str(root / "tests" / script)])
+    return _eight_devices().run({"path": str(root / "tests" / script)})
 
 
 def run_script_on_eight_devices(source: str, promotion: str = "strict") -> dict:
     """Runs Python `source` on 8 fake CPU devices, with the given dtype promotion
     (strict by default; "standard" for user code with optax), and returns the dict it
     leaves in a variable named `report`."""
-    program = (
-        f'import jax\njax.config.update("jax_numpy_dtype_promotion", "{promotion}")\n'
-        + source
-        + "\nimport json\nprint(json.dumps(report))\n"
-    )
-    return _run_eight_devices(["-c", program])
+    return _eight_devices().run({"source": source, "promotion": promotion})
 
 
-def _run_eight_devices(command: list[str]) -> dict:
-    root = pathlib.Path(__file__).resolve().parent.parent
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(root), env.get("PYTHONPATH")])
-    )
-    result = subprocess.run(
-        [sys.executable, *command],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+# The device count must be set before JAX is imported, so 8-device code runs in
+# another interpreter. One such interpreter per test process serves every script (each
+# in a fresh namespace) instead of one interpreter, one JAX import and cold caches per
+# script.
+_WORKER = r"""
+import contextlib, io, json, sys, traceback
+import jax
+protocol = sys.stdout
+sys.stdout = sys.stderr
+defaults = {name: getattr(jax.config, name) for name in (
+    "jax_numpy_dtype_promotion", "jax_numpy_rank_promotion", "jax_enable_x64")}
+for line in sys.stdin:
+    request = json.loads(line)
+    for name, value in defaults.items():
+        jax.config.update(name, value)
+    jax.config.update("jax_numpy_dtype_promotion", request.get("promotion", "strict"))
+    path = request.get("path")
+    source = open(path).read() if path else request["source"]
+    namespace = {"__name__": "__main__", "__file__": path or "<eight devices>"}
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(source, path or "<eight devices>", "exec"), namespace)
+        if path:
+            report = json.loads(printed.getvalue().strip().splitlines()[-1])
+        else:
+            report = namespace["report"]
+        reply = {"report": report}
+    except BaseException:
+        reply = {"error": traceback.format_exc() + printed.getvalue()[-2000:]}
+    protocol.write(json.dumps(reply) + "\n")
+    protocol.flush()
+"""
+
+
+class _EightDevices:
+    def __init__(self) -> None:
+        self._process: subprocess.Popen | None = None
+
+    def _start(self) -> subprocess.Popen:
+        root = pathlib.Path(__file__).resolve().parent.parent
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = (
+            env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+        ).strip()
+        env["JAX_PLATFORMS"] = "cpu"
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(root), env.get("PYTHONPATH")])
+        )
+        return subprocess.Popen(
+            [sys.executable, "-c", _WORKER],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+
+    def run(self, request: dict, timeout: float = 600) -> dict:
+        if self._process is None or self._process.poll() is not None:
+            self._process = self._start()
+        process = self._process
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(json.dumps(request) + "\n")
+        process.stdin.flush()
+        ready, _, _ = select.select([process.stdout], [], [], timeout)
+        line = process.stdout.readline() if ready else ""
+        if not line:
+            process.kill()
+            self._process = None
+            raise AssertionError("the 8-device interpreter died or timed out")
+        reply = json.loads(line)
+        assert "error" not in reply, reply.get("error")
+        return reply["report"]
+
+    def close(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process = None
+
+
+_WORKER_PROCESS = _EightDevices()
+atexit.register(_WORKER_PROCESS.close)
+
+
+def _eight_devices() -> _EightDevices:
+    return _WORKER_PROCESS
 
 
 def run_repo_script(relative: str, *args: str, timeout: int = 900) -> str:

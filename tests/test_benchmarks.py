@@ -9,6 +9,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+
+# The slow tier: benchmark smoke runs in subprocesses.
+pytestmark = pytest.mark.slow
+
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 VARIANTS = ("fp32", "hand_bf16", "filter_amp_bf16", "autocast_bf16", "bimodel_f16")

@@ -455,6 +455,7 @@ def test_serialisation_round_trip_continues_bit_for_bit(tmp_path):
     assert_bitwise_equal(continued, uninterrupted)
 
 
+@pytest.mark.slow
 def test_sharded_over_a_mesh_of_eight_devices():
     """Runs tests/_multidevice_bimodel.py on 8 fake CPU devices (the flag must be
     set before JAX is imported, so it runs in a fresh interpreter)."""

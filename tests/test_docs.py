@@ -17,6 +17,10 @@ import pytest
 import eqx_amp
 
 
+# The slow tier: builds the documentation site.
+pytestmark = pytest.mark.slow
+
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO_ROOT / "notebooks" / "mixed_precision_tour.ipynb"
 NOTEBOOK_PAGE = pathlib.Path("notebooks", "mixed_precision_tour", "index.html")

@@ -3,8 +3,6 @@ diagnostics run, and how faithfully it re-binds higher-order primitives."""
 
 import collections
 import importlib.metadata
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -164,6 +162,7 @@ report = {
 """
 
 
+@pytest.mark.slow
 def test_inner_jit_keeps_shardings_and_donation():
     report = run_script_on_eight_devices(_INNER_JIT_SCRIPT)
     assert report["same_params"], report["differences"]
@@ -402,11 +401,10 @@ def test_natural_and_reversed_order_of_grad(getkey):
     assert_matmuls_in(jaxpr, BF16, at_least=6)
 
 
+@pytest.mark.slow
 def test_shard_map_body_is_rewritten():
     script = textwrap.dedent(
         """
-        import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import Mesh, PartitionSpec as P
         import eqx_amp
@@ -426,14 +424,10 @@ def test_shard_map_body_is_rewritten():
         np.testing.assert_allclose(amp(x), f(x), rtol=2e-2)
         g = jax.grad(amp)(x)
         np.testing.assert_allclose(g, jax.grad(f)(x), rtol=5e-2)
-        print("devices", len(jax.devices()), "ok")
+        report = {"devices": len(jax.devices())}
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "devices 8 ok" in result.stdout
+    assert run_script_on_eight_devices(script)["devices"] == 8
 
 
 def test_custom_jvp_with_symbolic_zeros_runs_at_its_traced_dtypes(getkey):

@@ -9,6 +9,10 @@ import numpy as np
 import pytest
 
 
+# The slow tier: the example scripts, end to end.
+pytestmark = pytest.mark.slow
+
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

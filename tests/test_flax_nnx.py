@@ -372,6 +372,7 @@ def test_transformer_block_attention_softmax_in_float32():
     assert global_rel_error(grads, ref_grads) < HEAD_GRAD_TOL
 
 
+@pytest.mark.slow
 def test_example_trains_in_bfloat16_to_float32_accuracy():
     out = run_repo_script("examples/flax_nnx.py", "--epochs", "4")
     accuracy = {

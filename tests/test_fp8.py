@@ -390,6 +390,7 @@ def test_filter_amp_fp8_errors(getkey):
         )(x)
 
 
+@pytest.mark.slow
 def test_fp8_scales_under_gspmd_sharding_are_global():
     """Sharded over 8 devices, the amax of each operand is reduced across them: the
     product equals the unsharded one, and so do the gradients."""

@@ -415,6 +415,7 @@ def test_axis_name_unbound(model, batch):
         g(model, *batch, loss_scale=eqx_amp.DynamicLossScale())
 
 
+@pytest.mark.slow
 def test_shard_map_on_eight_devices():
     """Runs tests/_multidevice_grad.py on 8 fake CPU devices (the flag must be set
     before JAX is imported, so it runs in a fresh interpreter)."""

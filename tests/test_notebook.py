@@ -8,6 +8,10 @@ import sys
 import pytest
 
 
+# The slow tier: executes the tour notebook.
+pytestmark = pytest.mark.slow
+
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO_ROOT / "notebooks" / "mixed_precision_tour.ipynb"
 VARIANTS = (

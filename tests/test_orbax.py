@@ -412,6 +412,7 @@ SHARDED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_orbax_on_a_mesh_of_eight_devices(tmp_path):
     source = f"TMP_PATH = {str(tmp_path)!r}\n" + SHARDED
     report = run_script_on_eight_devices(source, promotion="standard")
@@ -430,6 +431,7 @@ def test_orbax_on_a_mesh_of_eight_devices(tmp_path):
 GUIDE = pathlib.Path(__file__).resolve().parent.parent / "docs/guides/checkpoints.md"
 
 
+@pytest.mark.slow
 def test_the_checkpoints_guide_runs(tmp_path):
     """Every Python block of the guide, in order, as one program on 8 devices (its
     sharded section needs a mesh). The guide's own asserts check the restored

@@ -13,6 +13,10 @@ import zipfile
 import pytest
 
 
+# The slow tier: builds the sdist and wheel and installs it.
+pytestmark = pytest.mark.slow
+
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

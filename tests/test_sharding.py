@@ -398,11 +398,23 @@ def test_average_refuses_sharded_parameters_and_can_be_turned_off(getkey):
 #
 
 
-@pytest.fixture(scope="module")
-def sharded_rows():
-    """The sharded benchmark's cases, measured on 8 simulated CPU devices."""
-    out = run_repo_script("benchmarks/sharded.py", "--quick", "--json", "-")
-    return json.loads(out.strip().splitlines()[-1])
+_SHARDED_ROWS: dict[tuple[str, str], list[dict]] = {}
+
+
+def sharded_rows(mesh: str, engine: str) -> list[dict]:
+    """The sharded benchmark's cases for one mesh and engine, measured once on 8
+    simulated CPU devices (a test selected alone pays for its own group only)."""
+    if (mesh, engine) not in _SHARDED_ROWS:
+        out = run_repo_script(
+            "benchmarks/sharded.py",
+            "--quick",
+            "--only",
+            f"{mesh}/{engine}",
+            "--json",
+            "-",
+        )
+        _SHARDED_ROWS[mesh, engine] = json.loads(out.strip().splitlines()[-1])
+    return _SHARDED_ROWS[mesh, engine]
 
 
 def _row(rows, **where):
@@ -415,15 +427,17 @@ def _bytes(row, group, dtypes=None):
     return sum(b for d, b in by_dtype.items() if dtypes is None or d in dtypes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["filter_amp", "autocast", "bimodel"])
 @pytest.mark.parametrize("mesh", ["fsdp", "fsdp_tp"])
 @pytest.mark.parametrize("engine", ["jit", "shard_map"])
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-def test_sharded_steps_on_eight_devices(sharded_rows, path, mesh, engine, dtype):
+def test_sharded_steps_on_eight_devices(path, mesh, engine, dtype):
+    rows = sharded_rows(mesh, engine)
     where = dict(mesh=mesh, engine=engine, dtype=dtype)
-    row = _row(sharded_rows, variant=path, **where)
-    hand = _row(sharded_rows, variant="hand", **where)
-    fp32 = _row(sharded_rows, variant="fp32", mesh=mesh, engine=engine)
+    row = _row(rows, variant=path, **where)
+    hand = _row(rows, variant="hand", **where)
+    fp32 = _row(rows, variant="fp32", mesh=mesh, engine=engine)
     # Weights are cast before they are gathered: half the bytes of float32, no more
     # than the hand-cast step (float32 only for the norm layers, as by hand).
     gathers = row["collectives"]["param_gather"]
@@ -446,6 +460,7 @@ def test_sharded_steps_on_eight_devices(sharded_rows, path, mesh, engine, dtype)
     assert row["grad_error"] < (2e-2 if dtype == "bf16" else 5e-3)
 
 
+@pytest.mark.slow
 def test_all_finite_is_one_collective_over_sharded_gradients():
     """XLA combines the per-leaf reductions of `all_finite` into one all-reduce."""
     report = run_script_on_eight_devices(
@@ -519,6 +534,7 @@ def test_a_vmap_outside_the_wrapper_of_a_scanned_model_is_named(getkey):
     )
 
 
+@pytest.mark.slow
 def test_readme_multi_device_section_runs_on_eight_devices():
     """The Python blocks of the README's multi-device section run as written (with
     optax, under JAX's default promotion, as a user would)."""

@@ -927,6 +927,7 @@ report["last axis"] = {
 """
 
 
+@pytest.mark.slow
 def test_sharded_states_keep_their_shardings():
     report = run_script_on_eight_devices(_SHARDED + _LAST_AXIS, promotion="standard")
     last_axis = report.pop("last axis")
