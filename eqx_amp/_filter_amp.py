@@ -29,6 +29,7 @@ from ._cast import (
 )
 from ._filters import (
     FULL_PRECISION_SCOPE,
+    LAYERS_RETURNING_INPUT_DTYPE_SCOPES,
     SELF_CASTING_LAYERS,
     STATE_TYPES,
     FilterSpec,
@@ -36,6 +37,7 @@ from ._filters import (
     selection_mask,
 )
 from ._fp8 import Fp8ParamsHook, Fp8Rule
+from ._jaxpr._compat import UnsupportedJaxError
 from ._jaxpr._evaluate import evaluate_function
 from ._policy import Policy, get_policy, resolve_policy
 from ._report import precision_report
@@ -77,6 +79,10 @@ def _call_at(
     return cast_all_but_state(out, lambda _: caller_dtype)
 
 
+# Marks the classes `_boundary_class` makes.
+_AT_BOUNDARY = "_eqx_amp_runs_at_its_boundary"
+
+
 @ft.cache
 def _boundary_class(cls: type, dtype: np.dtype) -> type:
     """A subclass of `cls` whose `__call__` runs at `dtype` with casts at its own call
@@ -95,6 +101,7 @@ def _boundary_class(cls: type, dtype: np.dtype) -> type:
     namespace = {
         "__init__": __init__,
         "__call__": __call__,
+        _AT_BOUNDARY: True,
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
@@ -338,7 +345,7 @@ class _AmpWrapper(FunctionWrapper):
         )
         fn = _amp_view(self.fn, policy, self.filter_spec, {})
         args, kwargs = _cast_arguments(args, kwargs, policy, self.arg_spec)
-        _check_coverage_once(self.fn, fn, args, kwargs, policy)
+        _check_coverage(self.fn, fn, args, kwargs, policy)
         if self.fp8 is not None:
             _check_fp8_policy(policy)
             # The arrays of the modules the filter selects are the parameters whose
@@ -403,45 +410,53 @@ def _is_module(node: Any) -> bool:
     return isinstance(node, eqx.Module)
 
 
-# The functions (their class or code) and policies whose coverage has been checked:
-# the check traces the function once more, so it runs once for each.
-_COVERAGE_CHECKED: set = set()
-
-
-def _first_time(checked: set, fn: Any, policy: Policy) -> bool:
-    code = getattr(fn, "__code__", None)
-    key = (type(fn) if code is None else code, policy)
-    if key in checked:
-        return False
-    checked.add(key)
-    return True
-
-
 _LOW_COVERAGE = (
     "`filter_amp` runs only {share:.0%} of the matmul/convolution FLOPs of {name} in "
-    "{dtype} (not counting those on parameters the filter spec keeps): the rest "
-    "read a wider operand. The largest: {flops:,} FLOPs at "
-    "{source}, whose wide operand is {reason}. Cast that array to the compute dtype "
-    "where it is made (`jnp.zeros(n, x.dtype)`), keep fewer leaves in the filter "
-    "spec, or use `eqx_amp.autocast`, which casts every matmul's operands. "
-    "`eqx_amp.precision_report` lists every such matmul."
+    "{dtype} (per call, which under `jax.vmap` is one example; matmuls on "
+    "parameters the filter spec keeps are not counted): the rest read a wider "
+    "operand. The largest, {worst_share:.0%} of them, is `{primitive}` at {source}, "
+    "whose wide operand is {reason}. {fix} `eqx_amp.precision_report` lists every "
+    "such matmul."
+)
+_KEEP_LAYERS = (
+    "{layers} make{s} {its} result float32 from {its} own float32 state or "
+    "parameters: keep {them} in the parameter dtype, where {they} then run{s} by "
+    "choice (`filter_spec=eqx_amp.keep(model, {types})`), or use `eqx_amp.autocast`, "
+    "which casts every matmul's operands."
+)
+_CAST_WHERE_MADE = (
+    "Cast that array to the compute dtype where it is made or enters "
+    "(`jnp.zeros(n, x.dtype)`, `h.astype(x.dtype)`), or use `eqx_amp.autocast`, "
+    "which casts every matmul's operands."
+)
+# An abstract trace of what the real call ran on concrete values (an eager
+# `jax.grad`, weights closed over by a jitted function) cannot read them: the check
+# has nothing to say there. And on a jax whose internals the jaxpr layer does not
+# know, `filter_amp` works but the check cannot.
+_CANNOT_CHECK = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+    UnsupportedJaxError,
 )
 
 
-def _check_coverage_once(
+def _check_coverage(
     original: Any, view: Callable, args: tuple, kwargs: dict, policy: Policy
 ) -> None:
-    """Warns, once per function, when less than half of its matmul FLOPs run in the
-    compute dtype (an array made in float32 inside the model, float32 state): the
-    user asked for mixed precision and would otherwise not know."""
+    """Warns when less than half of a call's matmul FLOPs run in the compute dtype
+    (an array made in float32 inside the model, float32 state): the user asked for
+    mixed precision and would otherwise not know. Checked where the call is traced
+    (once per compilation under `jit`), never on concrete arrays, where it would
+    trace the function again on every call."""
     if not is_half_dtype(policy.compute_dtype):
         return
-    if not _first_time(_COVERAGE_CHECKED, original, policy):
+    is_tracer = lambda x: isinstance(x, jax.core.Tracer)  # noqa: E731
+    if not any(map(is_tracer, jtu.tree_leaves((view, args, kwargs)))):
         return
     try:
         report = precision_report(view, *args, **kwargs)
-    except Exception:  # noqa: BLE001
-        # A diagnostic: if it cannot trace what the real call can, it says nothing.
+    except _CANNOT_CHECK:
         return
     # Matmuls on parameters the filter spec keeps wide were asked for.
     chosen = sum(w.flops for w in report.wide_matmuls if w.origin == "params")
@@ -450,18 +465,88 @@ def _check_coverage_once(
     if not unasked or report.low_precision_flops >= 0.5 * considered:
         return
     worst = unasked[0]
-    name = getattr(original, "__qualname__", type(original).__qualname__)
     warnings.warn(
         _LOW_COVERAGE.format(
             share=report.low_precision_flops / considered,
-            name=name,
+            name=_model_name(original),
             dtype=policy.compute_dtype.name,
-            flops=worst.flops,
+            worst_share=worst.flops / considered,
+            primitive=worst.primitive,
             source=worst.source,
             reason=worst.reason,
+            fix=_coverage_fix(unasked, _kept_layer_names(view)),
         ),
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
+
+
+def _coverage_fix(unasked: list, kept: set[str]) -> str:
+    """The fix for the wide matmuls: keeping the Equinox layers whose own state
+    made their operands wide (`SpectralNorm`), or casting an array where it is
+    made. A kept layer (BatchNorm by default) hands back what it was given: a wide
+    result there comes from upstream."""
+    layers: list[str] = []
+    for wide in unasked:
+        # The outermost Equinox layer the operand was made in.
+        scopes = [s for s in wide.made_in.split("/") if s.startswith("eqx.nn.")]
+        if (
+            scopes
+            and scopes[0] not in layers
+            and scopes[0].removeprefix("eqx.nn.") not in kept
+            and scopes[0] not in LAYERS_RETURNING_INPUT_DTYPE_SCOPES
+        ):
+            layers.append(scopes[0])
+    if not layers:
+        return _CAST_WHERE_MADE
+    many = len(layers) > 1
+    return _KEEP_LAYERS.format(
+        layers=", ".join(f"`{layer}`" for layer in layers),
+        s="" if many else "s",
+        its="their" if many else "its",
+        them="them" if many else "it",
+        they="they" if many else "it",
+        types=", ".join(layers),
+    )
+
+
+def _kept_layer_names(view: Any) -> set[str]:
+    """The classes of the submodules `filter_amp` runs at their own boundary."""
+    names = set()
+    stack = [view]
+    while stack:
+        node = stack.pop()
+        if _is_module(node) and getattr(type(node), _AT_BOUNDARY, False):
+            names.add(type(node).__name__)
+        children = jtu.tree_leaves(
+            node, is_leaf=lambda x, node=node: x is not node and _is_module(x)
+        )
+        stack.extend(child for child in children if _is_module(child))
+    return names
+
+
+def _model_name(fn: Any) -> str:
+    """What the user would call the function: a module's class (`eqx.nn.Sequential`
+    with its layers, what an Equinox transform wraps), a function's name."""
+    if isinstance(fn, eqx.nn.Sequential):
+        return f"Sequential({', '.join(_model_name(layer) for layer in fn.layers)})"
+    if isinstance(fn, eqx.Module) and type(fn).__module__.startswith("equinox."):
+        wrapped = getattr(type(fn), "__wrapped__", None)
+        if wrapped is not None:  # `eqx.filter_vmap(model)` and the like
+            transform = _EQUINOX_TRANSFORMS.get(type(fn).__name__, type(fn).__name__)
+            return f"{_model_name(fn.__wrapped__)} under {transform}"
+    if isinstance(fn, ft.partial):
+        return _model_name(fn.func)
+    if isinstance(fn, (types.FunctionType, types.MethodType)):
+        return fn.__qualname__
+    return type(fn).__name__
+
+
+_EQUINOX_TRANSFORMS = {
+    "_VmapWrapper": "`eqx.filter_vmap`",
+    "_PmapWrapper": "`eqx.filter_pmap`",
+    "_JitWrapper": "`eqx.filter_jit`",
+    "_CheckpointWrapper": "`eqx.filter_checkpoint`",
+}
 
 
 @overload

@@ -100,6 +100,9 @@ class WideMatmul:
     reason: str
     # What the wide operand was computed from: "data", "params" or "constant".
     origin: str = "data"
+    # The named scope of the op that made the wide operand (`"eqx.nn.SpectralNorm"`
+    # where a layer's float32 state made it), `""` outside every scope or unknown.
+    made_in: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +270,8 @@ class _Census(Hook):
         # id(value) -> (value, "`op` at file:line"): which op made each value. The
         # value is kept alive with its entry, so its id cannot be reused.
         self._made_by: dict[int, tuple[Any, str]] = {}
+        # id(value) -> the named scope of the op that made it (kept alive above).
+        self._made_in: dict[int, str] = {}
         # id(higher-order equation) -> (it, where its wide floating inputs were made)
         self._entering: dict[int, tuple[Any, list[str]]] = {}
         # JAX may trace a loop body twice (to settle its carry types): count each
@@ -287,6 +292,7 @@ class _Census(Hook):
         made_by = f"`{eqn.primitive.name}` at {frame.source(eqn)}"
         for value in outvals:
             self._made_by.setdefault(id(value), (value, made_by))
+            self._made_in.setdefault(id(value), "/".join(frame.scopes))
         return outvals
 
     def _explain_wide_operands(self, eqn, frame, invals, origins) -> None:
@@ -310,6 +316,7 @@ class _Census(Hook):
                 source=frame.source(eqn),
                 reason=self._why_wide(value, origin, frame),
                 origin=origin.name.lower(),
+                made_in=self._made_in.get(id(value), ""),
             )
         )
 

@@ -663,4 +663,4 @@ def test_low_coverage_warns_for_a_bimodel_too(getkey):
     bimodel = eqx_amp.BiModel(CarryRNN(eqx.nn.GRUCell(8, 32, key=getkey())))
     with jax.numpy_dtype_promotion("standard"):  # as users run it
         with pytest.warns(UserWarning, match=r"runs only 20% .*CarryRNN in bfloat16"):
-            bimodel(jnp.ones((10, 8)))
+            eqx.filter_jit(bimodel)(jnp.ones((10, 8)))  # checked where traced

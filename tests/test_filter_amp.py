@@ -471,7 +471,8 @@ class _SpectralMLP(eqx.Module):
 def test_low_coverage_warns_once_naming_the_cause(getkey):
     """An RNN whose carry is made in float32 inside the model runs most of its
     matmuls wide under `filter_amp`, and so does a SpectralNorm layer (its float32
-    state makes the weight float32): that is said once, naming the cause."""
+    state makes the weight float32): that is said where the call is traced, naming
+    the cause."""
     xs = jnp.ones((10, 8))
     wide = _RNN(eqx.nn.GRUCell(8, 32, key=getkey()), carry_in_input_dtype=False)
     fixed = _RNN(eqx.nn.GRUCell(8, 32, key=getkey()), carry_in_input_dtype=True)
@@ -485,8 +486,8 @@ def test_low_coverage_warns_once_naming_the_cause(getkey):
             jax.make_jaxpr(eqx_amp.filter_amp(wide))(xs)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            eqx_amp.filter_amp(wide)(xs)  # once per function
+            eqx_amp.filter_amp(wide)(xs)  # concrete arrays: checked where traced
         with pytest.warns(UserWarning, match=r"runs only 0% .* of _SpectralMLP"):
-            eqx_amp.filter_amp(spectral)(jnp.ones(8), state)
+            eqx.filter_jit(eqx_amp.filter_amp(spectral))(jnp.ones(8), state)
     report = eqx_amp.precision_report(eqx_amp.filter_amp(fixed), xs)
     assert report.low_precision_share == 1.0
