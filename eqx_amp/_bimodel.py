@@ -15,6 +15,7 @@ compute-dtype arrays and `None` everywhere else; leaves the filter spec keeps
 the whole model from the two.
 """
 
+import functools as ft
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -35,7 +36,7 @@ from ._cast import (
     overflowing_leaves,
     warn_if_cast_overflows,
 )
-from ._filter_amp import filter_amp
+from ._filter_amp import filter_amp, fp8_selection
 from ._filters import FilterSpec, default_filter_spec, selection_mask
 from ._fp8 import Fp8Rule
 from ._grad import filter_grad, filter_value_and_grad
@@ -158,6 +159,11 @@ class BiModel(eqx.Module):
     fp8_filter: Callable[[eqx.Module], bool] | None = eqx.field(
         static=True, default=None
     )
+    # `fp8_filter` applied once, to the model given: one bool per leaf of `master`
+    # (an identity test, `m is model.head`, holds for that model only).
+    _fp8_selected: tuple[bool, ...] | None = eqx.field(
+        static=True, default=None, repr=False
+    )
     compensation: Compensation | None = eqx.field(static=True, default=None)
     # Kahan: one buffer per leaf of `master`, of the master's dtype where it is
     # bfloat16 and `None` elsewhere. Stochastic rounding: the raw key data.
@@ -200,6 +206,7 @@ class BiModel(eqx.Module):
         filter_amp(lambda: None, fp8=fp8, fp8_filter=fp8_filter)
         self.fp8 = fp8
         self.fp8_filter = fp8_filter
+        self._fp8_selected = _fp8_selection(model, fp8_filter)
         self.compensation = compensation
         self._kahan, self._rounding_key = _compensation_state(
             master, policy, compensation, key
@@ -233,12 +240,24 @@ class BiModel(eqx.Module):
         # The selected leaves are already in the compute dtype, so `filter_amp` casts
         # no weights: it adds the kept submodules' boundaries and casts the
         # arguments and outputs.
+        compute = self.compute
+        fp8, fp8_filter = self.fp8, self.fp8_filter
+        if self._fp8_selected is not None:
+            # The modules of this compute copy whose arrays the filter selected.
+            picked = {
+                id(leaf)
+                for leaf, selected in zip(jtu.tree_leaves(compute), self._fp8_selected)
+                if selected
+            }
+            fp8_filter = ft.partial(_all_arrays_in, picked)
+            if not picked:  # said when the `BiModel` was made
+                fp8, fp8_filter = None, None
         amp = filter_amp(
-            self.compute,
+            compute,
             policy=self.policy,
             filter_spec=self.filter_spec,
-            fp8=self.fp8,
-            fp8_filter=self.fp8_filter,
+            fp8=fp8,
+            fp8_filter=fp8_filter,
         )
         return amp(*args, **kwargs)
 
@@ -488,6 +507,29 @@ def _check_master_fits(model: PyTree, policy: Policy, updated: bool = False) -> 
                 dtype=policy.param_dtype.name, when=when, **_plural(paths)
             )
         )
+
+
+def _fp8_selection(
+    model: PyTree, fp8_filter: Callable[[eqx.Module], bool] | None
+) -> tuple[bool, ...] | None:
+    """One bool per leaf of `model`: in a module `fp8_filter` selects. `None`
+    without a filter (every module)."""
+    if fp8_filter is None:
+        return None
+    selection = fp8_selection(model, fp8_filter)
+    arrays = map(eqx.is_array, jtu.tree_leaves(model))
+    if not any(s and a for s, a in zip(selection, arrays)):
+        warnings.warn(
+            "`fp8_filter` selects no module with arrays of this model, so no matmul "
+            "of the `BiModel` runs in fp8.",
+            stacklevel=user_stacklevel() + 1,
+        )
+    return selection
+
+
+def _all_arrays_in(picked: set[int], module: Any) -> bool:
+    arrays = [leaf for leaf in jtu.tree_leaves(module) if eqx.is_array(leaf)]
+    return bool(arrays) and all(id(a) in picked for a in arrays)
 
 
 def _warn_if_compute_overflows(

@@ -6,8 +6,9 @@ with a float32 scale computed from the tensor's absolute maximum right before us
 ("current" scaling; delayed scaling keeps a history of amaxes in state, which goes
 stale). The matmul multiplies the fp8 values (converted up, which is the pattern
 XLA rewrites into an fp8 GEMM on GPUs that have one), accumulates in float32 and
-applies the scales to its output. Derivatives come from `jax.custom_vjp`, so the
-backward pass is exactly the one written here.
+applies the scales to its output; so do the backward products, forward-scaled
+rowwise ones included. Derivatives come from `jax.custom_vjp`, so the backward pass
+is exactly the one written here, and differentiating it again is refused.
 """
 
 import functools as ft
@@ -20,6 +21,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
+from ._cast import floating_dtype
 from ._jaxpr import _compat as compat
 from ._jaxpr._evaluate import Hook, Origin, batched_like
 
@@ -67,21 +69,50 @@ FP8 = Fp8Rule("FP8", "tensorwise")
 FP8_ROWWISE = Fp8Rule("FP8_ROWWISE", "rowwise")
 
 
+# The largest scale: its inverse, 2**-126, is float32's smallest normal, so unscaling
+# never goes through float32 subnormals (which some backends flush), and a float32
+# normal scaled by it (>= 1) is still a normal fp8 value (e4m3's smallest is 2**-6).
+MAX_SCALE = 2.0**126
+
+
 def _scale(x: Array, dtype: np.dtype, axes: tuple[int, ...]) -> Array:
-    """float32 scale mapping the absolute maximum of `x` over `axes` (kept as size-1
-    axes) to the largest finite value of `dtype`. An all-zero slice gets scale 1."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
-    largest = jnp.float32(jnp.finfo(dtype).max)
-    return jnp.where(
-        amax > 0, largest / jnp.maximum(amax, jnp.finfo(jnp.float32).tiny), 1.0
-    )
+    """float32 scale mapping the largest finite magnitude of `x` over `axes` (kept as
+    size-1 axes) to the largest finite value of `dtype`, at most `MAX_SCALE` (an
+    all-zero or tiny slice). inf and NaN elements do not set it: they stay
+    non-finite through the product, as they would in float32."""
+    magnitude = jnp.abs(x.astype(jnp.float32))
+    finite = jnp.where(jnp.isfinite(magnitude), magnitude, 0.0)
+    amax = jnp.max(finite, axis=axes, keepdims=True, initial=0.0)
+    largest = float(jnp.finfo(dtype).max)
+    # Dividing by at least `largest / MAX_SCALE` cannot overflow: no inf scale,
+    # whose `0 * inf` would make the whole product NaN.
+    return largest / jnp.maximum(amax, largest / MAX_SCALE)
 
 
 def _quantize(x: Array, dtype: np.dtype, axes: tuple[int, ...]) -> tuple[Array, Array]:
     scale = _scale(x, dtype, axes)
     largest = float(jnp.finfo(dtype).max)
-    scaled = jnp.clip(x.astype(jnp.float32) * scale, -largest, largest)
+    scaled = x.astype(jnp.float32) * scale
+    # Rounding can step just past the largest finite value, which e4m3fn would make
+    # NaN; inf and NaN pass on (inf becomes NaN in e4m3fn, which has no inf).
+    clipped = jnp.clip(scaled, -largest, largest)
+    scaled = jnp.where(jnp.isfinite(scaled), clipped, scaled)
     return scaled.astype(dtype), scale
+
+
+def _unscale(product: Array, inverse_a: Array, inverse_b: Array) -> Array:
+    """`product * inverse_a * inverse_b` (positive inverse scales, broadcast to the
+    product) without leaving float32's range on the way: the two inverses as one
+    factor where that is a normal float32, otherwise the larger one first, whose
+    product can only overflow (or the smaller's underflow) where the result does."""
+    f32 = jnp.finfo(jnp.float32)
+    both = inverse_a * inverse_b
+    in_range = (both >= f32.tiny) & (both <= f32.max)
+    larger, smaller = (
+        jnp.maximum(inverse_a, inverse_b),
+        jnp.minimum(inverse_a, inverse_b),
+    )
+    return jnp.where(in_range, product * both, product * larger * smaller)
 
 
 def _free_axes(
@@ -90,25 +121,40 @@ def _free_axes(
     return [i for i in range(ndim) if i not in contracting and i not in batch]
 
 
-def _inverse_scale_of_output(
-    scale: Array, dims, which: int, out_ndim: int, n_other_free: int
-) -> Array:
-    """An operand's scale (size 1 on its contracting axes) laid out as the output
-    (batch, lhs free, rhs free) of the matmul, for the output to be divided by."""
-    (contracting, batch) = dims[0][which], dims[1][which]
-    free = _free_axes(scale.ndim, contracting, batch)
-    inverse = jnp.transpose(1.0 / scale, (*batch, *free, *contracting))
-    inverse = inverse.reshape(inverse.shape[: len(batch) + len(free)])
-    if which == 0:  # lhs: (batch, lhs free) then the rhs free axes
-        return inverse.reshape(inverse.shape + (1,) * n_other_free)
-    n_batch = len(batch)
-    shape = inverse.shape[:n_batch] + (1,) * n_other_free + inverse.shape[n_batch:]
-    return inverse.reshape(shape)
+def _laid_out(scale: Array, axis_map: dict[int, int], ndim: int) -> Array:
+    """A scale (its axes outside `axis_map` of size 1) laid out for an array of `ndim`
+    axes: its axis `a` becomes axis `axis_map[a]`, the others size 1."""
+    src = sorted(axis_map)
+    values = scale.reshape([scale.shape[a] for a in src])
+    values = jnp.transpose(
+        values, sorted(range(len(src)), key=lambda i: axis_map[src[i]])
+    )
+    shape = [1] * ndim
+    for a in src:
+        shape[axis_map[a]] = scale.shape[a]
+    return values.reshape(shape)
+
+
+def _output_axes(dims, lhs_ndim: int, rhs_ndim: int):
+    """The output axes of `dot_general` (batch, lhs free, rhs free) that each
+    operand's batch and free axes become."""
+    (lc, rc), (lb, rb) = dims
+    lf, rf = _free_axes(lhs_ndim, lc, lb), _free_axes(rhs_ndim, rc, rb)
+    nb, nlf = len(lb), len(lf)
+    lhs_map = {
+        **{a: i for i, a in enumerate(lb)},
+        **{a: nb + j for j, a in enumerate(lf)},
+    }
+    rhs_map = {
+        **{a: i for i, a in enumerate(rb)},
+        **{a: nb + nlf + j for j, a in enumerate(rf)},
+    }
+    return lhs_map, rhs_map
 
 
 @jax.named_scope(FP8_SCOPE)
 def _fp8_forward(lhs, rhs, dims, scaling, out_dtype):
-    (lc, rc), (lb, rb) = dims
+    (lc, rc), _ = dims
     if scaling == "tensorwise":
         l_axes, r_axes = tuple(range(lhs.ndim)), tuple(range(rhs.ndim))
     else:  # one scale per row: per output element of the other dims
@@ -116,14 +162,19 @@ def _fp8_forward(lhs, rhs, dims, scaling, out_dtype):
     ql, sl = _quantize(lhs, E4M3, l_axes)
     qr, sr = _quantize(rhs, E4M3, r_axes)
     out = _dot32(ql, qr, dims)
-    n_l_free = len(_free_axes(lhs.ndim, lc, lb))
-    n_r_free = len(_free_axes(rhs.ndim, rc, rb))
+    lhs_map, rhs_map = _output_axes(dims, lhs.ndim, rhs.ndim)
+    out = _unscale(
+        out,
+        _laid_out(1.0 / sl, lhs_map, out.ndim),
+        _laid_out(1.0 / sr, rhs_map, out.ndim),
+    )
     if scaling == "tensorwise":
-        out = out / (sl.reshape(()) * sr.reshape(()))
+        residuals = (ql, sl, qr, sr)  # fp8 operands and float32 scales: 1 byte a value
     else:
-        out = out * _inverse_scale_of_output(sl, dims, 0, out.ndim, n_r_free)
-        out = out * _inverse_scale_of_output(sr, dims, 1, out.ndim, n_l_free)
-    return out.astype(out_dtype), (ql, sl, qr, sr)
+        # The backward products contract other axes, so they need other rows'
+        # scales: the operands are quantised again there (torchao's rowwise recipe).
+        residuals = (lhs, rhs)
+    return out.astype(out_dtype), residuals
 
 
 def _dot32(lhs: Array, rhs: Array, dims) -> Array:
@@ -137,35 +188,87 @@ def _dot32(lhs: Array, rhs: Array, dims) -> Array:
     )
 
 
+_HIGHER_ORDER = (
+    "fp8 matmuls and convolutions (`eqx_amp.fp8_dot_general`, the `FP8` rules, "
+    "`fp8=`) have first-order derivatives only: differentiating their backward pass "
+    "again (a Hessian, a Hessian-vector product, `jax.jvp` of a gradient) would round "
+    "the second-order terms to fp8 without scales. Keep the products such a "
+    "derivative goes through out of fp8 (an `fp8_filter`, or a scope rule "
+    "`eqx_amp.LOW`), or differentiate once."
+)
+
+
+@jax.custom_jvp
+def _first_order_only(values: Any) -> Any:
+    """The identity, whose derivative is refused: around a backward pass's inputs,
+    it makes differentiating that pass an error rather than a wrong number."""
+    return values
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+    del primals, tangents
+    raise NotImplementedError(_HIGHER_ORDER)
+
+
+def _transposed(linear: Any, like: Any, cotangent: Array) -> Array:
+    """The transpose of the linear `linear` (a product with its other operand held)
+    at `cotangent`, with no forward product (`jax.vjp` would add a dead one)."""
+    aval = jax.ShapeDtypeStruct(like.shape, jnp.float32)
+    return jax.linear_transpose(linear, aval)(cotangent)[0]
+
+
 def _fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype):
     """The fp8 matmul for one set of static arguments, with its derivative rule."""
+    (lc, rc), (lb, rb) = dims
 
     @jax.custom_vjp
     def matmul(lhs, rhs):
         return _fp8_forward(lhs, rhs, dims, scaling, out_dtype)[0]
 
     def forward(lhs, rhs):
-        out, residuals = _fp8_forward(lhs, rhs, dims, scaling, out_dtype)
-        return out, residuals  # fp8 operands and float32 scales: 1 byte per value
+        return _fp8_forward(lhs, rhs, dims, scaling, out_dtype)
 
     @jax.named_scope(FP8_SCOPE)
     def backward(residuals, cotangent):
-        ql, sl, qr, sr = residuals
-        qg, sg = _quantize(cotangent, E5M2, tuple(range(cotangent.ndim)))
+        residuals, cotangent = _first_order_only((residuals, cotangent))
         if scaling == "tensorwise":
             # Scalar scales come out of the products: fp8 x fp8 GEMMs.
-            # Differentiated at float32 copies: a cotangent must not be fp8.
-            lhs, rhs = ql.astype(jnp.float32), qr.astype(jnp.float32)
-            _, pullback = jax.vjp(ft.partial(_dot32, dims=dims), lhs, rhs)
-            dlhs, drhs = pullback(qg.astype(jnp.float32))
-            sg, sl, sr = sg.reshape(()), sl.reshape(()), sr.reshape(())
-            dlhs, drhs = dlhs / (sg * sr), drhs / (sg * sl)
-        else:
-            # A row's scale varies along the other product's contraction.
-            lhs = ql.astype(jnp.float32) / sl
-            rhs = qr.astype(jnp.float32) / sr
-            _, pullback = jax.vjp(ft.partial(_dot32, dims=dims), lhs, rhs)
-            dlhs, drhs = pullback(qg.astype(jnp.float32) / sg)
+            ql, sl, qr, sr = residuals
+            qg, sg = _quantize(cotangent, E5M2, tuple(range(cotangent.ndim)))
+            lhs32, rhs32 = ql.astype(jnp.float32), qr.astype(jnp.float32)
+            g32 = qg.astype(jnp.float32)
+            dlhs = _transposed(lambda x: _dot32(x, rhs32, dims), ql, g32)
+            drhs = _transposed(lambda y: _dot32(lhs32, y, dims), qr, g32)
+            inverse_g = 1.0 / sg.reshape(())
+            dlhs = _unscale(dlhs, inverse_g, 1.0 / sr.reshape(()))
+            drhs = _unscale(drhs, inverse_g, 1.0 / sl.reshape(()))
+            return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype)
+        # Rowwise: each product's operands are quantised per row of that product
+        # (amax over the axes it contracts), so that both scales come out of it.
+        lhs, rhs = residuals
+        lhs_free, rhs_free = _free_axes(lhs.ndim, lc, lb), _free_axes(rhs.ndim, rc, rb)
+        lhs_map, rhs_map = _output_axes(dims, lhs.ndim, rhs.ndim)
+        # d lhs = g . rhs, contracting the rhs free axes.
+        qg, sg = _quantize(cotangent, E5M2, tuple(rhs_map[a] for a in rhs_free))
+        qr, sr = _quantize(rhs, E4M3, tuple(rhs_free))
+        rhs32, g32 = qr.astype(jnp.float32), qg.astype(jnp.float32)
+        dlhs = _transposed(lambda x: _dot32(x, rhs32, dims), lhs, g32)
+        dlhs = _unscale(
+            dlhs,
+            _laid_out(1.0 / sg, {out: a for a, out in lhs_map.items()}, lhs.ndim),
+            _laid_out(1.0 / sr, {**dict(zip(rb, lb)), **dict(zip(rc, lc))}, lhs.ndim),
+        )
+        # d rhs = lhs . g, contracting the lhs free axes.
+        qg, sg = _quantize(cotangent, E5M2, tuple(lhs_map[a] for a in lhs_free))
+        ql, sl = _quantize(lhs, E4M3, tuple(lhs_free))
+        lhs32, g32 = ql.astype(jnp.float32), qg.astype(jnp.float32)
+        drhs = _transposed(lambda y: _dot32(lhs32, y, dims), rhs, g32)
+        drhs = _unscale(
+            drhs,
+            _laid_out(1.0 / sg, {out: a for a, out in rhs_map.items()}, rhs.ndim),
+            _laid_out(1.0 / sl, {**dict(zip(lb, rb)), **dict(zip(lc, rc))}, rhs.ndim),
+        )
         return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype)
 
     matmul.defvjp(forward, backward)
@@ -189,7 +292,7 @@ def _fp8_conv(params: dict, out_dtype, lhs_dtype, rhs_dtype):
     def forward(lhs, rhs):
         ql, sl = _quantize(lhs, E4M3, tuple(range(lhs.ndim)))
         qr, sr = _quantize(rhs, E4M3, tuple(range(rhs.ndim)))
-        out = conv32(ql, qr) / (sl.reshape(()) * sr.reshape(()))
+        out = _unscale(conv32(ql, qr), 1.0 / sl.reshape(()), 1.0 / sr.reshape(()))
         return out.astype(out_dtype), (ql, sl, qr, sr)
 
     @jax.custom_vjp
@@ -198,15 +301,16 @@ def _fp8_conv(params: dict, out_dtype, lhs_dtype, rhs_dtype):
 
     @jax.named_scope(FP8_SCOPE)
     def backward(residuals, cotangent):
-        ql, sl, qr, sr = residuals
+        (ql, sl, qr, sr), cotangent = _first_order_only((residuals, cotangent))
         qg, sg = _quantize(cotangent, E5M2, tuple(range(cotangent.ndim)))
-        lhs, rhs = ql.astype(jnp.float32), qr.astype(jnp.float32)
-        _, pullback = jax.vjp(conv32, lhs, rhs)
-        dlhs, drhs = pullback(qg.astype(jnp.float32))
-        sg, sl, sr = sg.reshape(()), sl.reshape(()), sr.reshape(())
-        return (dlhs / (sg * sr)).astype(lhs_dtype), (drhs / (sg * sl)).astype(
-            rhs_dtype
-        )
+        lhs32, rhs32 = ql.astype(jnp.float32), qr.astype(jnp.float32)
+        g32 = qg.astype(jnp.float32)
+        dlhs = _transposed(lambda x: conv32(x, rhs32), ql, g32)
+        drhs = _transposed(lambda y: conv32(lhs32, y), qr, g32)
+        inverse_g = 1.0 / sg.reshape(())
+        dlhs = _unscale(dlhs, inverse_g, 1.0 / sr.reshape(()))
+        drhs = _unscale(drhs, inverse_g, 1.0 / sl.reshape(()))
+        return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype)
 
     conv.defvjp(forward, backward)
     return conv
@@ -319,17 +423,23 @@ def fp8_dot_general(
     absolute maximum (over the whole tensor, or per row with `scaling="rowwise"`:
     one scale per index of the non-contracting axes), multiplied with float32
     accumulation, and the result is unscaled and returned in `out_dtype`. In the
-    backward pass the output gradient is quantised to `float8_e5m2` (tensorwise)
-    and multiplied with the saved fp8 operands. Under `jax.vmap` the scales cover
-    the whole batch, as for the batched matmul; under GSPMD their amax is reduced
-    across devices.
+    backward pass the output gradient is quantised to `float8_e5m2` and multiplied
+    with the fp8 operands (tensorwise: the saved ones; rowwise: both quantised
+    again per row of each backward product, so that every scale comes out of it).
+    Scales are at most 2**126 (tiny and zero tensors stay finite) and come from the
+    finite values: an inf or NaN element gives non-finite outputs where float32
+    would. First-order derivatives only: differentiating the backward pass again
+    raises `NotImplementedError`. Under `jax.vmap` the scales cover the whole
+    batch, as for the batched matmul; under GSPMD their amax is reduced across
+    devices.
 
     **Arguments:**
 
     - `lhs`, `rhs`, `dimension_numbers`: as for `jax.lax.dot_general`.
     - `scaling`: `"tensorwise"` (one scale per operand) or `"rowwise"`.
-    - `out_dtype`: the output (and backward compute) dtype; `None` means the wider
-        of the operands' dtypes (bfloat16 for bfloat16 operands).
+    - `out_dtype`: the output (and backward compute) dtype, a floating dtype of 16
+        bits or more or one of the package's words (`"bf16"`); `None` means the
+        wider of the operands' dtypes (bfloat16 for bfloat16 operands).
 
     **Returns:**
 
@@ -354,7 +464,9 @@ def fp8_dot_general(
     if out_dtype is None:
         with jax.numpy_dtype_promotion("standard"):
             out_dtype = jnp.result_type(lhs, rhs)
-    out_dtype = jnp.dtype(out_dtype)
+    # Refuses integer and complex dtypes (a product would be truncated or get a
+    # zero imaginary part), and takes the package's words ("bf16").
+    out_dtype = floating_dtype(out_dtype, "out_dtype")
     if out_dtype.itemsize < 2:
         raise ValueError(
             f"`out_dtype` must be bfloat16, float16 or wider, not {out_dtype.name}: "

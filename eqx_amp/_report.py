@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from ._cast import is_floating_array, is_floating_dtype, is_half_dtype
-from ._fp8 import E4M3, FP8_SCOPE, FP8_SKIPPED_SCOPE
+from ._fp8 import FP8_SCOPE, FP8_SKIPPED_SCOPE
 from ._jaxpr import _compat as compat
 from ._jaxpr._evaluate import (
     MATMUL_PRIMITIVES,
@@ -134,8 +134,11 @@ class PrecisionReport:
     - `wide_matmuls`: the matmuls and convolutions with an operand of 32 bits or
         more, most FLOPs first, each with the reason that operand is wide.
     - `fp8_skipped`: the matmuls an fp8 rule (`eqx_amp.FP8`) left in the compute
-        dtype, with the reason. fp8 matmuls count in `flops_by_dtypes` as
-        `("float8_e4m3fn", "float8_e4m3fn")` and as low precision.
+        dtype, with the reason. A product whose operands are conversions up from
+        fp8 (what an fp8 GEMM reads) counts in `flops_by_dtypes` under the fp8
+        dtypes it reads (`("float8_e4m3fn", "float8_e4m3fn")` forward, e5m2 with
+        e4m3 backward) and as low precision. Products whose results nothing uses
+        are not counted (they never run).
     """
 
     ops: dict[str, dict[tuple[str, ...], int]]
@@ -192,15 +195,52 @@ class PrecisionReport:
         printer.text(str(self))
 
 
-_FP8_PAIR = (E4M3.name, E4M3.name)
+# The higher-order primitives whose sub-jaxprs' outputs are their own outputs, one
+# for one (the others, loops, keep every output of their bodies live).
+_OUTPUTS_ONE_FOR_ONE = compat.present(
+    compat.jit_p,
+    compat.closed_call_p,
+    compat.remat_p,
+    compat.custom_jvp_call_p,
+    compat.custom_vjp_call_p,
+    compat.shard_map_p,
+    compat.cond_p,
+    compat.call_p,
+)
 
 
-def _fp8_operands(eqn: Any, frame: Frame) -> tuple[str, str] | None:
-    """The dtypes a matmul of an fp8 matmul (`eqx_amp.fp8_dot_general`) multiplies:
-    its operands are float32 copies of fp8 values, read as fp8 by an fp8 GEMM."""
-    if FP8_SCOPE in frame.scopes:
-        return _FP8_PAIR
-    return None
+def dead_equations(closed: Any) -> dict[int, Any]:
+    """The equations of a program (its sub-jaxprs too) whose outputs nothing uses
+    and which have no effects: what XLA removes before anything runs (a `jax.vjp`'s
+    recomputed product in a backward rule whose primal output is dropped). Keyed by
+    `id`, each equation kept alive with its entry."""
+    dead: dict[int, Any] = {}
+
+    def visit(jaxpr: Any, live_outputs: list[bool]) -> None:
+        jaxpr, _ = compat.open_jaxpr(jaxpr)
+        live = {
+            v
+            for v, used in zip(jaxpr.outvars, live_outputs)
+            if used and not isinstance(v, compat.Literal)
+        }
+        for eqn in reversed(jaxpr.eqns):
+            used = [v in live for v in eqn.outvars]
+            if not any(used) and not eqn.effects:
+                dead[id(eqn)] = eqn
+                continue
+            one_for_one = eqn.primitive in _OUTPUTS_ONE_FOR_ONE
+            for sub in compat.sub_jaxprs(eqn.params):
+                n_out = len(compat.open_jaxpr(sub)[0].outvars)
+                visit(sub, used if one_for_one else [True] * n_out)
+            live.update(v for v in eqn.invars if not isinstance(v, compat.Literal))
+
+    outvars = compat.open_jaxpr(closed)[0].outvars
+    visit(closed, [True] * len(outvars))
+    return dead
+
+
+def _is_fp8(dtype: Any) -> bool:
+    return is_floating_dtype(dtype) and jnp.dtype(dtype).itemsize == 1
 
 
 def _fp8_skipped_reason(frame: Frame) -> str | None:
@@ -234,8 +274,8 @@ def precision_report(fn: Callable, *args: Any, **kwargs: Any) -> PrecisionReport
     assert report.low_precision_share == 1.0
     ```
     """
-    census = _Census()
     closed = _trace(fn, args, kwargs)
+    census = _Census(dead_equations(closed))
     jaxpr, _ = compat.open_jaxpr(closed)
     # The avals themselves: they carry the varying manual axes of a `shard_map`.
     structs = [v.aval for v in jaxpr.invars]
@@ -258,7 +298,9 @@ def _is_module(node: Any) -> bool:
 class _Census(Hook):
     """Counts every equation the program runs, as the evaluator meets it."""
 
-    def __init__(self):
+    def __init__(self, dead: dict[int, Any]):
+        # Equations whose outputs nothing uses: they never run, and are not counted.
+        self._dead = dead
         self.ops: dict[str, collections.Counter] = collections.defaultdict(
             collections.Counter
         )
@@ -277,13 +319,16 @@ class _Census(Hook):
         # JAX may trace a loop body twice (to settle its carry types): count each
         # equation once per place it is called from.
         self._seen: set = set()
+        # id(value) -> (value, fp8 dtype name): the values converted up from fp8,
+        # which a product reads as fp8 (the pattern XLA makes an fp8 GEMM of).
+        self._from_fp8: dict[int, tuple[Any, str]] = {}
 
     def equation(self, eqn, invals, origins, frame, evaluate):
         caller = None if frame.caller is None else id(frame.caller[1])
         key = (id(eqn), caller, frame.scopes, frame.repeats)
-        if key not in self._seen:
+        if key not in self._seen and id(eqn) not in self._dead:
             self._seen.add(key)
-            self._count(eqn, frame)
+            self._count(eqn, frame, invals)
             if eqn.primitive in MATMUL_PRIMITIVES:
                 self._explain_wide_operands(eqn, frame, invals, origins)
         if is_higher_order(eqn):
@@ -293,16 +338,33 @@ class _Census(Hook):
         for value in outvals:
             self._made_by.setdefault(id(value), (value, made_by))
             self._made_in.setdefault(id(value), "/".join(frame.scopes))
+        if eqn.primitive is lax.convert_element_type_p:
+            source = self._from_fp8.get(id(invals[0]), (None, None))[1]
+            if source is None and _is_fp8(eqn.invars[0].aval.dtype):
+                source = eqn.invars[0].aval.dtype.name
+            # Widening keeps the fp8 values exact; narrowing would not.
+            widening = jnp.dtype(eqn.params["new_dtype"]).itemsize > 1
+            if source is not None and widening:
+                self._from_fp8.setdefault(id(outvals[0]), (outvals[0], source))
         return outvals
 
+    def _read_dtypes(self, eqn, invals) -> tuple[str, ...]:
+        """The dtypes a product's operands hold: fp8 for conversions up from fp8."""
+        return tuple(
+            self._from_fp8.get(id(value), (None, atom.aval.dtype.name))[1]
+            for atom, value in zip(eqn.invars[:2], invals[:2])
+            if hasattr(atom.aval, "dtype")
+        )
+
     def _explain_wide_operands(self, eqn, frame, invals, origins) -> None:
-        if _fp8_operands(eqn, frame):
-            return  # float32 copies of fp8 values: an fp8 matmul
         operands = list(zip(eqn.invars[:2], invals[:2], origins[:2]))
         wide = [
             (value, origin)
             for atom, value, origin in operands
-            if _floating_aval(atom) and not is_half_dtype(atom.aval.dtype)
+            if _floating_aval(atom)
+            and not is_half_dtype(atom.aval.dtype)
+            # float32 copies of fp8 values: an fp8 matmul
+            and id(value) not in self._from_fp8
         ]
         if not wide:
             return
@@ -353,16 +415,16 @@ class _Census(Hook):
             what = f"{dtype} data (an argument, state, a loop carry, or made from them)"
         return f"{what}, {where}"
 
-    def _count(self, eqn: Any, frame: Frame) -> None:
+    def _count(self, eqn: Any, frame: Frame, invals: list) -> None:
         name = eqn.primitive.name
         in_dtypes = _dtype_names(eqn.invars)
         self.ops[name][in_dtypes] += 1
         if eqn.primitive in MATMUL_PRIMITIVES:
             flops = _matmul_flops(eqn) * frame.repeats
             self.matmul_flops += flops
-            fp8 = _fp8_operands(eqn, frame)
-            self.flops_by_dtypes[fp8 or _dtype_names(eqn.invars[:2])] += flops
-            if fp8 or all(is_half_dtype(a.aval.dtype) for a in eqn.invars[:2]):
+            read = self._read_dtypes(eqn, invals)
+            self.flops_by_dtypes[read] += flops
+            if read and all(map(is_half_dtype, read)):
                 self.low_flops += flops
             skipped = _fp8_skipped_reason(frame)
             if skipped is not None:

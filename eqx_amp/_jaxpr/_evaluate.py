@@ -166,9 +166,11 @@ def evaluate(
     hook: Hook,
     frame: Frame = Frame(),
     origins: Sequence[Origin] | None = None,
+    const_origins: Sequence[Origin] | None = None,
 ) -> tuple[list, list[Origin]]:
     """Evaluates a (closed or open) jaxpr under `hook`. `origins` says what each
-    argument is (data by default). Returns the outputs and their origins."""
+    argument is (data by default), `const_origins` what each of its constants is
+    (constant by default). Returns the outputs and their origins."""
     compat.require_known_internals()
     jaxpr, consts = compat.open_jaxpr(closed)
     env: dict[Any, Any] = {}
@@ -180,7 +182,9 @@ def evaluate(
         return env[atom], origin_env[atom]
 
     env.update(zip(jaxpr.constvars, consts))
-    origin_env.update((v, Origin.CONSTANT) for v in jaxpr.constvars)
+    if const_origins is None:
+        const_origins = [Origin.CONSTANT] * len(jaxpr.constvars)
+    origin_env.update(zip(jaxpr.constvars, const_origins))
     env.update(zip(jaxpr.invars, args))
     arg_origins = [Origin.DATA] * len(args) if origins is None else list(origins)
     origin_env.update(zip(jaxpr.invars, arg_origins))
@@ -224,14 +228,20 @@ def evaluate_function(
     frame: Frame = Frame(),
     *,
     params_are: Callable[[Any], bool] | None = None,
+    param_arrays: Sequence[Any] | None = None,
 ) -> Any:
     """Traces `fn(*args)` and evaluates it under `hook`. Non-array arguments and
     outputs pass through statically; array outputs come back in the dtypes `fn`
     returns (as the same types: a constant output is a `jax.Array` too).
-    `params_are(node)` marks the subtrees of `args` whose arrays are parameters."""
+    `params_are(node)` marks the subtrees of `args` whose arrays are parameters;
+    `param_arrays` (instead) are the parameters themselves, found wherever they
+    appear: in `args`, or closed over by a function (a constant of the program)."""
     dynamic, static = eqx.partition(list(args), eqx.is_array)
     leaves, treedef = jtu.tree_flatten(dynamic)
     origins = None if params_are is None else leaf_origins(dynamic, params_are)
+    param_ids = None if param_arrays is None else {id(a) for a in param_arrays}
+    if param_ids is not None:
+        origins = [Origin.PARAMS if id(x) in param_ids else Origin.DATA for x in leaves]
     static_out = []
 
     def flat_fn(*leaves):
@@ -242,7 +252,13 @@ def evaluate_function(
 
     closed, out_shapes = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
     flat_shapes, out_treedef = jtu.tree_flatten(out_shapes)
-    outs, _ = evaluate(closed, leaves, hook, frame, origins)
+    const_origins = None
+    if param_ids is not None:
+        const_origins = [
+            Origin.PARAMS if id(c) in param_ids else Origin.CONSTANT
+            for c in compat.open_jaxpr(closed)[1]
+        ]
+    outs, _ = evaluate(closed, leaves, hook, frame, origins, const_origins)
     outs = [jnp.asarray(v) for v in cast_to(outs, [s.dtype for s in flat_shapes])]
     return eqx.combine(jtu.tree_unflatten(out_treedef, outs), static_out[0])
 

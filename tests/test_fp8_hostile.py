@@ -1,0 +1,470 @@
+"""Hostile edge values for `fp8_dot_general` and the fp8 rules (`FP8`, `FP8_ROWWISE`,
+`filter_amp(..., fp8=)`, `BiModel(..., fp8=)`), and `precision_report` of fp8 steps.
+
+The matrix, for both scalings, forward and first-order backward, against float64
+references and the formats' error bounds (each factor off by a relative e4m3/e5m2
+unit roundoff plus a subnormal spacing at its scale):
+
+- values: zeros; tiny tensors whose scale would overflow float32 (amax 1e-37, output
+  gradients of 1e-36); float32's smallest normal and a subnormal; bfloat16's
+  smallest normal and a subnormal; small operands whose scales multiply past
+  float32 (1e-18 x 1e-18); float32's largest values; a huge operand times a tiny
+  one; one NaN or inf among finite values (in an operand, in the output gradient);
+- shapes: odd sizes, empty (no rows, no contraction), a vector dot product, batch
+  dimensions;
+- dtypes: int, bool and complex operands and out_dtypes refused, dtype words taken;
+- transformations: second-order derivatives refused (they would be rounded to fp8
+  without scales), `vmap` with a NaN example, `jit` retracing on a new shape and
+  dtype, the rowwise backward products reading plain conversions from fp8;
+- the report: only live products, under the dtypes they read;
+- fp8 filters: identity predicates for `filter_amp` (module, closure, argument) and
+  `BiModel`, and a warning where the filter selects nothing.
+"""
+
+import functools as ft
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import eqx_amp
+
+from .helpers import walk_eqns
+
+
+MATMUL = (((1,), (0,)), ((), ()))  # (m, k) x (k, n)
+SCALINGS = ("tensorwise", "rowwise")
+F32 = jnp.finfo(jnp.float32)
+E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+# (unit roundoff, largest finite value, subnormal spacing) of each format.
+FORMAT_E4M3 = (2.0**-4, 448.0, 2.0**-9)
+FORMAT_E5M2 = (2.0**-3, 57344.0, 2.0**-16)
+MAX_SCALE = 2.0**126
+M, K, N = 5, 12, 7  # odd sizes: `fp8_dot_general` itself takes any shape
+
+
+@ft.partial(jax.jit, static_argnames="scaling")
+def _product_and_grads(x, w, g, scaling):
+    def product(x, w):
+        return eqx_amp.fp8_dot_general(
+            x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32
+        )
+
+    y, pullback = jax.vjp(product, x, w)
+    return (y, *pullback(g))
+
+
+def _step(x, w, g, scaling):
+    return [np.asarray(v, np.float64) for v in _product_and_grads(x, w, g, scaling)]
+
+
+def _spacing(a, fmt):
+    """The fp8 subnormal spacing at the scale of `a` (its finite values), in `a`'s
+    units: the most an element's rounding loses beyond the relative unit."""
+    _, largest, spacing = fmt
+    finite = np.abs(a[np.isfinite(a)])
+    amax = float(finite.max()) if finite.size else 0.0
+    return spacing / min(largest / max(amax, largest / MAX_SCALE), MAX_SCALE)
+
+
+def _bound(a, b, fmt_a, fmt_b):
+    """Bound on |fp8 product - exact product| of float64 `a @ b`, plus float32's
+    accumulation and a flushed float32 subnormal."""
+    a, b = np.nan_to_num(a), np.nan_to_num(b)
+    ea = fmt_a[0] * np.abs(a) + _spacing(a, fmt_a)
+    eb = fmt_b[0] * np.abs(b) + _spacing(b, fmt_b)
+    exact = np.abs(a) @ np.abs(b)
+    return ea @ np.abs(b) + np.abs(a) @ eb + ea @ eb + 1e-5 * exact + 4 * F32.tiny
+
+
+def _check_within_bounds(x, w, g, y, dx, dw, rows=slice(None)):
+    x, w, g = (np.asarray(v, np.float64) for v in (x, w, g))
+    checks = [
+        ("y", y, x @ w, _bound(x, w, FORMAT_E4M3, FORMAT_E4M3)),
+        ("dx", dx, g @ w.T, _bound(g, w.T, FORMAT_E5M2, FORMAT_E4M3)),
+        ("dw", dw, x.T @ g, _bound(x.T, g, FORMAT_E4M3, FORMAT_E5M2)),
+    ]
+    for name, got, exact, bound in checks:
+        got, exact, bound = got[rows], exact[rows], bound[rows]
+        assert np.isfinite(got).all(), name
+        error = np.abs(got - exact)
+        assert (error <= bound).all(), (name, float(np.max(error / bound)))
+
+
+def _normal(key, shape, scale=1.0):
+    return scale * jr.normal(key, shape)
+
+
+def _case(name):
+    k1, k2, k3 = jr.split(jr.key(0), 3)
+    x, w, g = _normal(k1, (M, K)), _normal(k2, (K, N)), _normal(k3, (M, N))
+    tiny32 = float(F32.tiny)
+    cases = {
+        "zeros": (jnp.zeros_like(x), w, g),
+        # 448 / amax and 57344 / amax overflow float32: the scale once became inf.
+        "tiny amax and output gradient": (1e-37 * x, w, 1e-36 * g),
+        "float32 smallest normal": (tiny32 * jnp.sign(x), w, g),
+        "float32 subnormal": (1e-40 * jnp.sign(x), w, g),
+        # Each scale is finite, their product is not.
+        "small operands": (1e-18 * x, 1e-18 * w, g),
+        "largest values": (1e38 * jnp.tanh(x), 1e-3 * w, 1e-30 * g),
+        "huge times tiny": (1e36 * x, 1e-36 * w, g),
+    }
+    return cases[name]
+
+
+CASES = (
+    "zeros",
+    "tiny amax and output gradient",
+    "float32 smallest normal",
+    "float32 subnormal",
+    "small operands",
+    "largest values",
+    "huge times tiny",
+)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("case", CASES)
+def test_edge_values_give_finite_products_within_the_formats_bounds(case, scaling):
+    x, w, g = _case(case)
+    y, dx, dw = _step(x, w, g, scaling)
+    _check_within_bounds(x, w, g, y, dx, dw)
+    if case == "zeros":
+        assert not y.any() and not dw.any()
+    if case in ("small operands", "tiny amax and output gradient"):
+        # A representable product is not flushed to zero.
+        exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        assert np.linalg.norm(y - exact) < 0.2 * np.linalg.norm(exact)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_bfloat16_smallest_normal_and_subnormal(scaling):
+    x, w, g = _case("zeros")
+    bf16 = jnp.finfo(jnp.bfloat16)
+    for value in (float(bf16.tiny), float(bf16.smallest_subnormal) * 4):
+        xb = (value * jnp.sign(_case("small operands")[1].T[:M])).astype(jnp.bfloat16)
+        y, dx, dw = _step(xb, w.astype(jnp.bfloat16), g, scaling)
+        xf, wf = xb.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32)
+        _check_within_bounds(xf, wf, g, y, dx, dw)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+def test_a_nonfinite_element_is_seen_and_leaves_the_other_rows_right(scaling, bad):
+    """Rows 10x apart: with the NaN's row falling back to scale 1, the small rows
+    flushed to zero while the output looked finite."""
+    x, w, g = _case("zeros")
+    x = (
+        _normal(jr.key(1), (M, K))
+        * (10.0 ** -jnp.arange(M, dtype=jnp.float32))[:, None]
+    )
+    x_bad = x.at[2, 3].set(bad)
+    y, dx, dw = _step(x_bad, w, g, scaling)
+    assert not np.isfinite(y[2]).any()
+    clean = np.arange(M) != 2
+    # The other rows are those of the clean product (dw mixes every row: skipped).
+    y_clean, dx_clean, _ = _step(x, w, g, scaling)
+    x_ref = np.asarray(x, np.float64)
+    bound = _bound(x_ref, np.asarray(w, np.float64), FORMAT_E4M3, FORMAT_E4M3)
+    error = np.abs(y[clean] - x_ref[clean] @ np.asarray(w, np.float64))
+    assert (error <= bound[clean]).all()
+    np.testing.assert_array_equal(dx, dx_clean)  # dx does not read x
+    # A non-finite output gradient: its row of dx is non-finite, the rest right.
+    g_bad = g.at[1, 4].set(bad)
+    _, dx, dw = _step(x, w, g_bad, scaling)
+    assert not np.isfinite(dx[1]).any() and not np.isfinite(dw[:, 4]).all()
+    rows = np.arange(M) != 1
+    _, dx_clean, _ = _step(x, w, g, scaling)
+    g_ref, w_ref = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    bound = _bound(g_ref, w_ref.T, FORMAT_E5M2, FORMAT_E4M3)
+    assert (np.abs(dx[rows] - (g_ref @ w_ref.T)[rows]) <= bound[rows]).all()
+
+
+SHAPES = {
+    "no rows": ((0, 8), (8, 4), MATMUL),
+    "no contraction": ((4, 0), (0, 3), MATMUL),
+    "vector dot": ((6,), (6,), (((0,), (0,)), ((), ()))),
+    "batch": ((2, 3, 5), (2, 5, 4), (((2,), (1,)), ((0,), (0,)))),
+    "rhs transposed, batch last": ((3, 5, 2), (4, 5, 2), (((1,), (1,)), ((2,), (2,)))),
+}
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_shapes(scaling, shape):
+    lhs_shape, rhs_shape, dims = SHAPES[shape]
+    k1, k2 = jr.split(jr.key(2))
+    lhs, rhs = _normal(k1, lhs_shape), _normal(k2, rhs_shape)
+
+    def product(lhs, rhs):
+        return eqx_amp.fp8_dot_general(
+            lhs, rhs, dims, scaling=scaling, out_dtype=jnp.float32
+        )
+
+    @jax.jit
+    def both(lhs, rhs, g):
+        exact = lambda a, b: jax.lax.dot_general(a, b, dims)  # noqa: E731
+        y, pullback = jax.vjp(product, lhs, rhs)
+        want, exact_pullback = jax.vjp(exact, lhs, rhs)
+        return (y, *pullback(g)), (want, *exact_pullback(g))
+
+    out_shape = jax.eval_shape(product, lhs, rhs).shape
+    got, want = both(lhs, rhs, _normal(jr.key(3), out_shape))
+    assert got[0].shape == want[0].shape and got[0].dtype == jnp.float32
+    for got, want in zip(got, want):
+        assert got.shape == want.shape
+        assert float(jnp.max(jnp.abs(got - want), initial=0.0)) <= 0.25 * float(
+            jnp.max(jnp.abs(want), initial=1.0)
+        )
+
+
+def test_dtypes_refused_and_dtype_words_taken():
+    x = jnp.ones((4, 4))
+    for bad in (
+        jnp.ones((4, 4), jnp.int32),
+        jnp.ones((4, 4), bool),
+        x.astype(jnp.complex64),
+    ):
+        with pytest.raises(TypeError, match="multiplies floating arrays"):
+            eqx_amp.fp8_dot_general(x, bad, MATMUL)
+    for bad in (jnp.int32, jnp.complex64, "int8"):
+        with pytest.raises(ValueError, match="`out_dtype` must be"):
+            eqx_amp.fp8_dot_general(x, x, MATMUL, out_dtype=bad)
+    for word, dtype in (("bf16", jnp.bfloat16), ("f32", jnp.float32)):
+        assert eqx_amp.fp8_dot_general(x, x, MATMUL, out_dtype=word).dtype == dtype
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_second_order_derivatives_are_refused(scaling):
+    """A Hessian-vector product through the fp8 backward came out 50-70% off."""
+    a, b = _normal(jr.key(4), (4, 8)), _normal(jr.key(5), (8, 4))
+
+    def loss(a, b):
+        y = eqx_amp.fp8_dot_general(a, b, MATMUL, scaling=scaling, out_dtype="f32")
+        return jnp.sum(y**2)
+
+    jax.eval_shape(jax.grad(loss), a, b)  # first order stays
+    with pytest.raises(NotImplementedError, match="first-order derivatives only"):
+        jax.eval_shape(jax.hessian(loss), a, b)
+    with pytest.raises(NotImplementedError, match="first-order derivatives only"):
+        jax.eval_shape(lambda a, b: jax.jvp(jax.grad(loss), (a, b), (a, b)), a, b)
+    with pytest.raises(NotImplementedError, match="first-order derivatives only"):
+        jax.eval_shape(jax.grad(lambda b: jnp.sum(jax.grad(loss)(a, b))), b)
+
+
+def test_second_order_through_an_fp8_convolution_is_refused():
+    conv = eqx.nn.Conv2d(16, 16, 3, padding=1, key=jr.key(6))
+    x = _normal(jr.key(7), (16, 2, 2))
+    forward = eqx_amp.autocast(
+        conv, rules={jax.lax.conv_general_dilated_p: eqx_amp.FP8}
+    )
+
+    def loss(x):
+        return jnp.sum(forward(x) ** 2)
+
+    jax.eval_shape(jax.grad(loss), x)
+    with pytest.raises(NotImplementedError, match="first-order derivatives only"):
+        jax.eval_shape(lambda x: jax.jvp(jax.grad(loss), (x,), (x,)), x)
+
+
+def _rel_error(got, exact):
+    got, exact = np.asarray(got, np.float64), np.asarray(exact, np.float64)
+    return float(np.linalg.norm(got - exact) / np.linalg.norm(exact))
+
+
+def test_tiny_inputs_through_the_fp8_rules_stay_finite():
+    """autocast's and filter_amp's fp8 products share the scale: a tiny input (and a
+    tiny convolution input) once gave NaN."""
+    linear = eqx.nn.Linear(16, 16, use_bias=False, key=jr.key(8))
+    x = 1e-37 * _normal(jr.key(9), (16, 16))
+    exact = np.asarray(x, np.float64) @ np.asarray(linear.weight, np.float64).T
+    rules = {jax.lax.dot_general_p: eqx_amp.FP8_ROWWISE}
+    for forward in (
+        eqx_amp.autocast(eqx.filter_vmap(linear), rules=rules),
+        eqx_amp.filter_amp(eqx.filter_vmap(linear), fp8=eqx_amp.FP8),
+    ):
+        y = eqx.filter_jit(forward)(x)
+        assert jnp.isfinite(y).all() and _rel_error(y, exact) < 0.1
+    conv = eqx.nn.Conv2d(16, 16, 1, use_bias=False, key=jr.key(10))
+    image = 1e-37 * _normal(jr.key(11), (16, 2, 2))
+    conv_fp8 = eqx_amp.autocast(
+        conv, rules={jax.lax.conv_general_dilated_p: eqx_amp.FP8}
+    )
+    y = eqx.filter_jit(conv_fp8)(image)
+    exact = np.einsum(
+        "oi,ihw->ohw",
+        np.asarray(conv.weight[:, :, 0, 0], np.float64),
+        np.asarray(image, np.float64),
+    )
+    assert jnp.isfinite(y).all() and _rel_error(y, exact) < 0.1
+
+
+def test_vmap_with_a_nan_example_and_jit_retracing():
+    w = _normal(jr.key(12), (K, N))
+    x = _normal(jr.key(13), (4, K)).at[1, 0].set(jnp.nan)
+    per_example = (((0,), (0,)), ((), ()))
+    y = jax.jit(
+        jax.vmap(
+            lambda xi: eqx_amp.fp8_dot_general(xi, w, per_example, out_dtype="f32")
+        )
+    )(x)
+    assert not jnp.isfinite(y[1]).any() and jnp.isfinite(y[jnp.array([0, 2, 3])]).all()
+    traces = []
+
+    @ft.partial(jax.jit, static_argnames="out_dtype")
+    def product(x, w, out_dtype):
+        traces.append(out_dtype)
+        return eqx_amp.fp8_dot_general(x, w, MATMUL, out_dtype=out_dtype)
+
+    cases = [((3, K), jnp.float32, "f32"), ((6, K), jnp.float32, "f32")]
+    cases += [((3, K), jnp.bfloat16, "bf16"), ((3, K), jnp.float32, "f32")]
+    for shape, dtype, word in cases:
+        xi = _normal(jr.key(14), shape).astype(dtype)
+        got = product(xi, w.astype(dtype), out_dtype=word)
+        assert got.shape == (shape[0], N) and got.dtype == dtype
+        exact = np.asarray(xi, np.float64) @ np.asarray(w.astype(dtype), np.float64)
+        assert _rel_error(got, exact) < 0.1
+    assert traces == ["f32", "f32", "bf16"]  # the last call reuses the first trace
+
+
+def _operands_of_products(jaxpr):
+    """For each dot_general: the dtypes its operands were converted up from (None
+    where an operand is not a plain conversion)."""
+    made_by = {}
+    found = []
+    for eqn, _ in walk_eqns(jaxpr):
+        for v in eqn.outvars:
+            made_by[v] = eqn
+        if eqn.primitive.name == "dot_general":
+            sources = []
+            for v in eqn.invars:
+                maker = made_by.get(v)
+                converted = maker is not None and maker.primitive.name == (
+                    "convert_element_type"
+                )
+                sources.append(maker.invars[0].aval.dtype if converted else None)
+            found.append(tuple(sources))
+    return found
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_every_product_of_a_step_reads_plain_conversions_from_fp8(scaling):
+    """Rowwise backward products read `convert(fp8) / row_scale`, which is no fp8
+    GEMM; now each backward product quantises its operands per row of its own."""
+    x, w, g = _case("zeros")
+    x = _normal(jr.key(15), (M, K))
+    jaxpr = jax.make_jaxpr(ft.partial(_product_and_grads, scaling=scaling))(x, w, g)
+    products = _operands_of_products(jaxpr)
+    assert len(products) == 3
+    assert sorted(map(sorted, products)) == sorted(
+        [sorted([E4M3, E4M3]), sorted([E5M2, E4M3]), sorted([E5M2, E4M3])]
+    )
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_report_of_an_fp8_step_counts_the_products_that_run(scaling):
+    x, w = _normal(jr.key(16), (32, 64)), _normal(jr.key(17), (64, 48))
+
+    def loss(x, w):
+        y = eqx_amp.fp8_dot_general(x, w, MATMUL, scaling=scaling, out_dtype="f32")
+        return jnp.sum(y**2)
+
+    report = eqx_amp.precision_report(jax.value_and_grad(loss, (0, 1)), x, w)
+    one = 2 * 32 * 64 * 48
+    assert report.matmul_flops == 3 * one
+    assert report.low_precision_flops == 3 * one
+    by_pair = {}
+    for dtypes, flops in report.flops_by_dtypes.items():
+        key = tuple(sorted(dtypes))
+        by_pair[key] = by_pair.get(key, 0) + flops
+    assert by_pair == {
+        (E4M3.name, E4M3.name): one,
+        (E4M3.name, E5M2.name): 2 * one,
+    }
+
+
+def test_report_skips_a_product_nothing_uses():
+    a, b = jnp.ones((8, 16)), jnp.ones((16, 4))
+
+    def fn(a, b):
+        unused = a @ b  # noqa: F841
+        return jnp.sin(a)
+
+    report = eqx_amp.precision_report(fn, a, b)
+    assert report.matmul_flops == 0 and report.flops_by_dtypes == {}
+
+
+#
+# fp8 filters: identity predicates.
+#
+
+
+class TwoLayers(eqx.Module):
+    l1: eqx.nn.Linear
+    l2: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def _two_layers():
+    k1, k2 = jr.split(jr.key(18))
+    return TwoLayers(eqx.nn.Linear(32, 64, key=k1), eqx.nn.Linear(64, 32, key=k2))
+
+
+L2_FLOPS = 2 * 16 * 64 * 32
+FP8_PAIR = (E4M3.name, E4M3.name)
+
+
+def _fp8_flops(fn, *args):
+    return eqx_amp.precision_report(fn, *args).flops_by_dtypes.get(FP8_PAIR, 0)
+
+
+def test_identity_fp8_filter_selects_that_module():
+    model, x = _two_layers(), _normal(jr.key(19), (16, 32))
+    is_l2 = lambda m: m is model.l2  # noqa: E731
+    amp = eqx_amp.filter_amp(model, fp8=eqx_amp.FP8, fp8_filter=is_l2)
+    assert _fp8_flops(jax.vmap(amp), x) == L2_FLOPS
+    # Passed as an argument, the wrapper is traced as a pytree: a rebuilt copy.
+    assert _fp8_flops(lambda amp, x: jax.vmap(amp)(x), amp, x) == L2_FLOPS
+    bimodel = eqx_amp.BiModel(model, fp8=eqx_amp.FP8, fp8_filter=is_l2)
+    assert _fp8_flops(jax.vmap(bimodel), x) == L2_FLOPS
+
+    def closing_over(model):
+        return lambda x: jax.vmap(model)(x)
+
+    # The arrays a function closes over were constants: nothing ran in fp8.
+    closure = eqx_amp.filter_amp(closing_over(model), fp8=eqx_amp.FP8)
+    assert _fp8_flops(closure, x) == 2 * L2_FLOPS
+    closure = eqx_amp.filter_amp(closing_over(model), fp8=eqx_amp.FP8, fp8_filter=is_l2)
+    assert _fp8_flops(closure, x) == L2_FLOPS
+    # A module passed to the call, as it is.
+    amp_call = eqx_amp.filter_amp(
+        lambda m, x: jax.vmap(m)(x), fp8=eqx_amp.FP8, fp8_filter=is_l2
+    )
+    jaxpr = jax.make_jaxpr(lambda x: amp_call(model, x))(x)
+    made = [
+        e.params["new_dtype"]
+        for e, _ in walk_eqns(jaxpr)
+        if e.primitive.name == "convert_element_type"
+    ]
+    assert made.count(E4M3) == 2
+
+
+def test_an_fp8_filter_that_selects_nothing_says_so():
+    model, x = _two_layers(), _normal(jr.key(20), (16, 32))
+    is_l2 = lambda m: m is model.l2  # noqa: E731
+    # `eqx.filter_vmap` holds a rebuilt copy of the model: identity cannot hold.
+    amp = eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=eqx_amp.FP8, fp8_filter=is_l2)
+    with pytest.warns(UserWarning, match="`fp8_filter` selected no module"):
+        amp(x)
+    with pytest.warns(UserWarning, match="`fp8_filter` selects no module"):
+        eqx_amp.BiModel(model, fp8=eqx_amp.FP8, fp8_filter=lambda m: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eqx_amp.filter_amp(model, fp8=eqx_amp.FP8, fp8_filter=is_l2)(x[0])
