@@ -63,6 +63,10 @@ def loss_scaling(
 
     - `optimizer`: any optax `GradientTransformation` (or an object with `init`
         and `update`, such as `optax.MultiSteps`), chains and schedules included.
+        `loss_scaling` goes outside any wrapper that skips non-finite steps
+        (`loss_scaling(optax.apply_if_finite(optimizer, 5))`): around it, that
+        wrapper would skip the steps without the scale backing off, which
+        `scaled_value_and_grad` refuses.
     - `loss_scale`: the initial `eqx_amp.AbstractLossScale`; `None` means
         `eqx_amp.DynamicLossScale()` (2**15, doubling after 2000 finite steps).
     - `axis_name`: a mapped axis to agree on finiteness over, for gradients that
@@ -175,8 +179,27 @@ _SEVERAL_STATES = (
 )
 
 
+_SKIPPED_AROUND = (
+    "`opt_state` holds the `LossScalingState` of `eqx_amp.loss_scaling` inside {}, "
+    "which skips a step with non-finite gradients without calling the update of "
+    "`loss_scaling`: the loss scale could not back off, and a scale that overflows "
+    "would stay (for `max_consecutive_errors` steps, or for good). `loss_scaling` "
+    "skips those steps itself, backing off at once: drop the outer wrapper, or put "
+    "it inside, as in `eqx_amp.loss_scaling(optax.apply_if_finite(optimizer, 5))`."
+)
+
+
 def _is_state(node: Any) -> bool:
     return isinstance(node, LossScalingState)
+
+
+def _skipping_wrapper(node: Any) -> str | None:
+    """What an optax wrapper that skips non-finite steps is, by its state."""
+    if isinstance(node, optax.ApplyIfFiniteState):
+        return "an `optax.apply_if_finite`"
+    if isinstance(node, optax.MultiStepsState) and jtu.tree_leaves(node.skip_state):
+        return "an `optax.MultiSteps` with a `should_skip_update_fn`"
+    return None
 
 
 def _loss_scaling_state(opt_state: PyTree) -> LossScalingState:
@@ -185,6 +208,14 @@ def _loss_scaling_state(opt_state: PyTree) -> LossScalingState:
         raise ValueError(_NO_STATE)
     if len(found) > 1:
         raise ValueError(_SEVERAL_STATES.format(len(found)))
+    for node in jtu.tree_leaves(
+        opt_state, is_leaf=lambda n: _is_state(n) or _skipping_wrapper(n) is not None
+    ):
+        wrapper = _skipping_wrapper(node)
+        if wrapper is not None and any(
+            map(_is_state, jtu.tree_leaves(node, is_leaf=_is_state))
+        ):
+            raise ValueError(_SKIPPED_AROUND.format(wrapper))
     return found[0]
 
 

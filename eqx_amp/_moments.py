@@ -17,9 +17,14 @@ Two things keep the compressed moments honest:
     which span half the decades: a block of 8-bit codes then resolves values down to
     1e-14 of its largest, where a signed code of the moment itself would flush the
     small ones to zero and blow up their steps.
+- Each 8-bit block keeps its largest element aside, in bfloat16, and scales the
+    others by the next largest. One huge gradient (whose second moment overflows to
+    inf, as float32 Adam's does) then neither poisons its block (inf / inf) nor
+    flushes the other 255 elements' moments to zero.
 """
 
 import math
+import warnings
 from collections.abc import Iterator
 from typing import Any, Literal, NamedTuple
 
@@ -57,6 +62,7 @@ NONNEGATIVE_MOMENTS = frozenset(
     {"nu", "nu_max", "sum_of_squares", "v_row", "v_col", "e_g", "e_x", "n"}
 )
 SIGNED_MOMENTS = frozenset({"mu", "m", "v", "trace", "ema"})
+MOMENT_FIELDS = NONNEGATIVE_MOMENTS | SIGNED_MOMENTS
 
 
 def _dynamic_map(signed: bool) -> np.ndarray:
@@ -84,6 +90,16 @@ def _dynamic_map(signed: bool) -> np.ndarray:
 _SIGNED_MAP = _dynamic_map(signed=True)  # 255 codes
 _UNSIGNED_MAP = _dynamic_map(signed=False)  # 256 codes
 
+# The code of each block's largest element, whose value is kept aside. The signed
+# map leaves it free; the unsigned map gives up its top point (the block's other
+# values are scaled to the point below it instead, which loses nothing: the next
+# one down is as close as in the rest of the top decade).
+OUTLIER_CODE = 255
+# What each stored map value is read as: the map, and the outlier code reading 0
+# (the outlier's value is put in its place).
+_SIGNED_TABLE = np.append(_SIGNED_MAP, np.float32(0.0))
+_UNSIGNED_TABLE = np.append(_UNSIGNED_MAP[:OUTLIER_CODE], np.float32(0.0))
+
 
 class QuantizedMoment(eqx.Module):
     """One optimizer moment stored in low precision (a leaf of the wrapped state
@@ -93,25 +109,39 @@ class QuantizedMoment(eqx.Module):
 
     - `values`: bfloat16 values, or uint8 codes into the dynamic map; the moment's
         shape either way (so a sharded moment keeps its sharding).
-    - `scales`: for 8-bit storage, the float32 largest magnitude of each block of
-        `block_size` consecutive elements (row-major); `None` for bfloat16.
+    - `scales`: for 8-bit storage, what the map's values are multiplied by in each
+        block of `block_size` consecutive elements (row-major): the magnitude of
+        the block's second largest element, rounded up to bfloat16 (divided by
+        the top point of the map, 0.993, for square roots); `None` for bfloat16.
+    - `outliers`: for 8-bit storage, the largest element of each block (code
+        255), in bfloat16; `None` for bfloat16.
     - `square_root`: whether the square root of the (non-negative) moment is stored.
     """
 
     values: Array
     scales: Array | None
+    outliers: Array | None
     square_root: bool = eqx.field(static=True)
     block_size: int = eqx.field(static=True)
 
     def decode(self) -> Float[Array, "..."]:
         """The moment in float32, what the wrapped optimizer computes in."""
-        if self.scales is None:
+        if self.scales is None or self.outliers is None:
             stored = self.values.astype(jnp.float32)
         else:
-            table = jnp.asarray(_UNSIGNED_MAP if self.square_root else _SIGNED_MAP)
-            normalised = _blocks(table[self.values], self.block_size)
-            stored = _unblock(normalised * self.scales[..., None], self.values.shape)
-        return stored * stored if self.square_root else stored
+            table = jnp.asarray(_UNSIGNED_TABLE if self.square_root else _SIGNED_TABLE)
+            codes = _blocks(self.values, self.block_size)
+            scaled = table[codes] * self.scales.astype(jnp.float32)[..., None]
+            outliers = self.outliers.astype(jnp.float32)[..., None]
+            blocks = jnp.where(codes == OUTLIER_CODE, outliers, scaled)
+            stored = _unblock(blocks, self.values.shape)
+        if not self.square_root:
+            return stored
+        # A finite second moment near float32's largest may come back rounded up
+        # above it: it stays finite (an inf one, stored as such, stays inf).
+        squared = stored * stored
+        largest = float(jnp.finfo(jnp.float32).max)
+        return jnp.where(jnp.isfinite(stored), jnp.minimum(squared, largest), squared)
 
 
 def encode(
@@ -129,18 +159,55 @@ def encode(
         x = jnp.sqrt(jnp.maximum(x, 0.0))
     if storage == "bfloat16":
         values = stochastic_round(x, jnp.bfloat16, key)
-        return QuantizedMoment(values, None, square_root, block_size)
+        return QuantizedMoment(values, None, None, square_root, block_size)
+    outlier_key, code_key = jax.random.split(key)
     blocks = _blocks(x, block_size)
-    scales = jnp.max(jnp.abs(blocks), axis=-1)
-    normalised = blocks / jnp.where(scales > 0, scales, 1.0)[..., None]
-    codes = _round_to_map(normalised, not square_root, key)
+    # The largest element (a NaN counts as largest) is kept aside, so that the
+    # others are scaled by a finite value whenever they are finite.
+    magnitude = jnp.where(jnp.isnan(blocks), jnp.inf, jnp.abs(blocks))
+    is_outlier = _one_hot_argmax(magnitude)
+    outliers = jnp.sum(jnp.where(is_outlier, blocks, 0.0), axis=-1)
+    rest = jnp.where(is_outlier, 0.0, blocks)
+    # The top of the map that the rest may use: the outlier's code is the
+    # unsigned map's top point.
+    top = float((_UNSIGNED_TABLE if square_root else _SIGNED_TABLE)[OUTLIER_CODE - 1])
+    scales = _round_up_to_bfloat16(jnp.max(jnp.abs(rest), axis=-1) / top)
+    # Divided by the square root twice: XLA computes `x / s` as `x * (1 / s)`,
+    # and for a scale above 2^126 the reciprocal is subnormal, which CPUs and GPUs
+    # flush to zero (so would the block's codes be).
+    root = jnp.sqrt(scales.astype(jnp.float32))[..., None]
+    root = jnp.where(root > 0, root, 1.0)
+    normalised = rest / root / root
+    codes = _round_to_map(normalised, not square_root, code_key)
     if square_root:
         # A second moment rounded down to zero would make its Adam step
         # mu / eps: a positive one keeps at least the smallest code (a smaller
         # step instead).
         codes = jnp.where(normalised > 0, jnp.maximum(codes, 1), codes)
+    # The unsigned map's top point is the outlier's code, never a rounding's (a
+    # value at the top of the rest could round up to it by a float32 ulp).
+    codes = jnp.where(is_outlier, OUTLIER_CODE, jnp.minimum(codes, OUTLIER_CODE - 1))
     values = _unblock(codes.astype(jnp.uint8), moment.shape)
-    return QuantizedMoment(values, scales, square_root, block_size)
+    outliers = stochastic_round(outliers, jnp.bfloat16, outlier_key)
+    return QuantizedMoment(values, scales, outliers, square_root, block_size)
+
+
+def _one_hot_argmax(x: Array) -> Array:
+    """Marks the first largest element of each row of `x` (along the last axis)."""
+    index = jnp.argmax(x, axis=-1, keepdims=True)
+    return jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == index
+
+
+def _round_up_to_bfloat16(x: Array) -> Array:
+    """Non-negative `x` (float32) rounded up to bfloat16, so that the values a
+    block's scale divides stay within the map; at most bfloat16's largest."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    up = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
+    rounded = jax.lax.bitcast_convert_type(up, jnp.float32)
+    rounded = jnp.where(jnp.isfinite(x), rounded, x)
+    largest = float(jnp.finfo(jnp.bfloat16).max)
+    rounded = jnp.where(jnp.isfinite(x), jnp.minimum(rounded, largest), rounded)
+    return rounded.astype(jnp.bfloat16)
 
 
 def _map_position(x: Array, signed: bool) -> Array:
@@ -185,8 +252,10 @@ def _along_last_axis(shape: tuple[int, ...], block_size: int) -> bool:
     # Blocks within the last axis keep every axis of the moment, so a moment split
     # over devices along any axis is encoded where it lives. Otherwise (a last axis
     # that is not a multiple of the block: a convolution kernel's 3x3) the blocks
-    # run through the flattened moment, padded at its end.
-    return len(shape) > 0 and shape[-1] % block_size == 0
+    # run through the flattened moment, padded at its end. An empty moment has no
+    # blocks along any axis (and a reshape to `(..., -1, block_size)` of nothing
+    # has no size to infer).
+    return len(shape) > 0 and shape[-1] % block_size == 0 and math.prod(shape) > 0
 
 
 def _blocks(x: Array, block_size: int) -> Array:
@@ -240,6 +309,41 @@ def _moment_kind(path: tuple) -> bool | None:
     return None
 
 
+def _shaped_like(node: Any, params: Any) -> bool:
+    """Whether `node` has the structure of `params`, with optax's `MaskedNode`
+    allowed in place of any subtree (where `optax.masked` and
+    `optax.multi_transform` leave out the parameters a transformation does not
+    see) and a leaf (an array) in place of each leaf."""
+    if isinstance(node, optax.MaskedNode):
+        return True
+    if params is None:
+        return node is None
+    params_def = jtu.tree_structure(params)
+    if jtu.treedef_is_leaf(params_def):
+        return node is not None and jtu.treedef_is_leaf(jtu.tree_structure(node))
+    node_children, node_def = _one_level(node)
+    params_children, params_def = _one_level(params)
+    return node_def == params_def and all(
+        map(_shaped_like, node_children, params_children)
+    )
+
+
+def _one_level(tree: Any) -> tuple[list, Any]:
+    """The children of `tree`'s root and the root's structure, children as leaves."""
+    return jtu.tree_flatten(tree, is_leaf=lambda child: child is not tree)
+
+
+_NO_MOMENTS = (
+    "`low_precision_moments` found no moment to compress in the state of the "
+    "optimizer it wraps (a {state}): the state is kept as it is, in its own dtype. "
+    "It compresses the subtrees shaped like the parameters under optax's moment "
+    "fields ({names}), through optax's combinators (`chain`, `masked`, "
+    "`multi_transform`, `inject_hyperparams`, `MultiSteps`, `apply_if_finite`). An "
+    "optimizer without moments (`optax.sgd` without momentum) gains nothing from "
+    "it; one with moments under other names is not supported."
+)
+
+
 def _is_compressible(leaf: Any) -> bool:
     # Scalars gain nothing from compression.
     return (
@@ -270,10 +374,15 @@ def low_precision_moments(
     unbiased however small a step's change.
 
     - `"bfloat16"`: 2 bytes per value (float32's range, 8 significant bits).
-    - `"8bit"`: 1 byte per value plus a float32 scale per block of `block_size`
-        values: each value is divided by its block's largest magnitude and rounded
-        to one of 256 points of a dynamic map spanning seven decades (as
-        bitsandbytes' 8-bit optimizers do). Blocks run along the last axis where
+    - `"8bit"`: 1 byte per value plus two bfloat16 numbers per block of
+        `block_size` values: the block's largest element, kept aside, and the
+        magnitude of the next largest, which the others are divided by before
+        they are rounded to one of 255 points of a dynamic map spanning seven
+        decades (as bitsandbytes' 8-bit optimizers do). A finite block decodes
+        finite, and one huge or non-finite element stays in its own place. A
+        block holds values about seven decades below its second largest (14 for
+        second moments); gradients whose magnitudes differ more within one block
+        are better served by `"bfloat16"`. Blocks run along the last axis where
         it is a multiple of `block_size` (so a moment sharded along any axis is
         encoded where it lives), else through the flattened moment. A positive
         second moment never rounds to zero.
@@ -284,8 +393,10 @@ def low_precision_moments(
 
     **Arguments:**
 
-    - `optimizer`: any optax optimizer (not an `eqx_amp.master_weights`, which
-        wraps this one instead).
+    - `optimizer`: any optax optimizer, optax's combinators included (`chain`,
+        `masked`, `multi_transform`, `inject_hyperparams`, `MultiSteps`,
+        `apply_if_finite`); not an `eqx_amp.master_weights`, which wraps this one
+        instead. An optimizer whose state holds no moment warns at `init`.
     - `storage`: `"bfloat16"` or `"8bit"`.
     - `key`: the PRNG key the roundings are drawn from; `None` means
         `jax.random.key(0)`.
@@ -299,8 +410,9 @@ def low_precision_moments(
     **Raises:**
 
     `TypeError` for an `optimizer` without `init`/`update` or a `key` that is not a
-    PRNG key; `ValueError` for an unknown `storage` (float16 included: its range
-    cannot hold second moments) or a `block_size` that is not a positive integer.
+    PRNG key; `ValueError` for a batch of keys, an unknown `storage` (float16
+    included: its range cannot hold second moments) or a `block_size` that is not a
+    positive integer. At `init`, a `UserWarning` if the state holds no moment.
 
     **Example:**
 
@@ -340,18 +452,19 @@ def low_precision_moments(
         step_key = jax.random.fold_in(wrap_key(raw_key, impl), step)
         return iter(jax.random.split(step_key, max(n, 1)))
 
-    def compress_moments(state: Any, params_def: Any, step, raw_key) -> Any:
+    def compress_moments(state: Any, params: Any, step, raw_key) -> Any:
         """The moments of a freshly initialised state: the subtrees shaped like the
         parameters under a moment's field name (decided from the optimizer's part
         of the path, never from the model's own field names)."""
-        nodes = jtu.tree_flatten_with_path(
-            state, is_leaf=lambda n: jtu.tree_structure(n) == params_def
-        )[0]
+
+        def shaped_like_params(node: Any) -> bool:
+            return _shaped_like(node, params)
+
+        nodes = jtu.tree_flatten_with_path(state, is_leaf=shaped_like_params)[0]
         kinds = {
             jtu.keystr(path): kind
             for path, node in nodes
-            if jtu.tree_structure(node) == params_def
-            and (kind := _moment_kind(path)) is not None
+            if shaped_like_params(node) and (kind := _moment_kind(path)) is not None
         }
         count = sum(
             sum(map(_is_compressible, jtu.tree_leaves(node)))
@@ -362,7 +475,7 @@ def low_precision_moments(
 
         def one(path, node):
             kind = kinds.get(jtu.keystr(path))
-            if kind is None or jtu.tree_structure(node) != params_def:
+            if kind is None or not shaped_like_params(node):
                 return node
             return jtu.tree_map(
                 lambda x: (
@@ -373,9 +486,13 @@ def low_precision_moments(
                 node,
             )
 
-        return jtu.tree_map_with_path(
-            one, state, is_leaf=lambda n: jtu.tree_structure(n) == params_def
-        )
+        if count == 0 and any(map(_is_compressible, jtu.tree_leaves(params))):
+            names = ", ".join(f"`{n}`" for n in sorted(MOMENT_FIELDS))
+            warnings.warn(
+                _NO_MOMENTS.format(state=type(state).__name__, names=names),
+                stacklevel=3,
+            )
+        return jtu.tree_map_with_path(one, state, is_leaf=shaped_like_params)
 
     def recompress(old: Any, new: Any, step, raw_key) -> Any:
         """`new` (decoded) stored as `old` was: the same leaves, the same forms."""
@@ -400,8 +517,7 @@ def low_precision_moments(
     def init_fn(params):
         step = jnp.zeros((), jnp.int32)
         raw_key = jnp.array(key_data, copy=True)
-        params_def = jtu.tree_structure(params)
-        inner_state = compress_moments(inner.init(params), params_def, step, raw_key)
+        inner_state = compress_moments(inner.init(params), params, step, raw_key)
         return LowPrecisionMomentsState(step, raw_key, inner_state)
 
     def update_fn(updates, state, params=None, **extra_args):

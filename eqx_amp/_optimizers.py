@@ -343,8 +343,9 @@ def stochastic_rounding(key: PRNGKeyArray) -> optax.GradientTransformation:
 
     **Raises:**
 
-    `TypeError` if `key` is not a PRNG key. At `init`: `ValueError` for float16
-    (or float8) weights and for non-floating arrays. At `update`: `ValueError`
+    `TypeError` if `key` is not a PRNG key, `ValueError` for a batch of keys (one
+    is needed). At `init`: `ValueError` for float16 (or float8) weights and for
+    non-floating arrays. At `update`: `ValueError`
     without `params`, `TypeError` for a state without a key.
 
     **Example:**

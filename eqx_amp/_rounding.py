@@ -56,11 +56,23 @@ def check_key(key: Any, what: str) -> None:
     typed = isinstance(key, jax.Array) and jnp.issubdtype(
         key.dtype, jax.dtypes.prng_key
     )
-    raw = (
-        isinstance(key, jax.Array)
-        and key.dtype == jnp.uint32
-        and key.shape == jax.random.key_data(jax.random.key(0)).shape
-    )
+    raw_shape = jax.random.key_data(jax.random.key(0)).shape
+    raw = isinstance(key, jax.Array) and key.dtype == jnp.uint32
+    # A batch of keys (what `jax.random.split` returns) would only fail at the
+    # first update, with JAX's message about shapes.
+    if typed:
+        batch = key.shape
+    elif raw and key.shape[-len(raw_shape) :] == raw_shape:
+        batch = key.shape[: -len(raw_shape)]
+    else:
+        batch = ()
+    if batch:
+        raise ValueError(
+            f"{what} needs one PRNG key as `key`, but got a batch of keys of shape "
+            f"{batch} (what `jax.random.split` returns): pass one of them, such as "
+            "`keys[0]`."
+        )
+    raw = raw and key.shape == raw_shape
     if not (typed or raw):
         raise TypeError(
             f"{what} needs a PRNG key to draw its roundings from (reproducible: the "
