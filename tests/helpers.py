@@ -124,7 +124,9 @@ for line in sys.stdin:
         jax.config.update(name, value)
     jax.config.update("jax_numpy_dtype_promotion", request.get("promotion", "strict"))
     path = request.get("path")
-    source = open(path).read() if path else request["source"]
+    # Sources are snippets that may use `jax` without importing it, as the
+    # one-interpreter-per-script runner let them (it prepended the import).
+    source = open(path).read() if path else "import jax\n" + request["source"]
     namespace = {"__name__": "__main__", "__file__": path or "<eight devices>"}
     printed = io.StringIO()
     try:

@@ -400,26 +400,20 @@ def abstract_like(value: Any, dtype: Any) -> jax.ShapeDtypeStruct:
 
 
 #
-# Added for issue 26 item 17 (sharding helper): whether a manual axis is unchecked.
+# Manual axes.
 #
+
+# Whether the enclosing `jax.shard_map` checks varying types: no public API says.
+_check_vma = _internal("jax._src.config", "_check_vma")
 
 
 def is_unchecked_manual_axis(axis_name: Any) -> bool:
     """Whether `axis_name` is a manual axis of a `jax.shard_map` traced with
     `check_vma=False`, as `jax.pmap` is (it runs through `shard_map(check_vma=False)`).
     There JAX types no value as varying and transposes a `psum` into another `psum`,
-    so gradients are per device. No public API says whether the enclosing
-    `shard_map` checks its types; JAX's own `pvary` reads this same state."""
-    from jax._src import config as _config
-
-    check_vma = getattr(_config, "_check_vma", None)
-    if check_vma is None:
-        return False
+    so gradients are per device. JAX's own `pvary` reads the same state."""
+    if _check_vma is None:
+        raise unsupported("jax._src.config._check_vma is missing")
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     manual = jax.sharding.get_abstract_mesh().manual_axes
-    return all(name in manual for name in names) and not bool(check_vma.value)
-
-
-#
-# End of the block added for issue 26 item 17.
-#
+    return all(name in manual for name in names) and not bool(_check_vma.value)
