@@ -369,7 +369,7 @@ def warn_of_overflow(
     many = len(paths) > 1
     warnings.warn(
         f"{cast_by} {jnp.dtype(dtype).name}, which cannot hold the value"
-        f"{'s' if many else ''} of {describe_leaves(paths)}: "
+        f"{'s' if many else ''} of {describe_leaves(list(paths))}: "
         f"{'they' if many else 'it'} will be inf in every forward pass, so every "
         "step's gradients will be non-finite and a dynamic loss scale will sit at its "
         f"floor. {fix}",

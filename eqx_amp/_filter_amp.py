@@ -6,12 +6,13 @@ import operator
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
+from jax.core import Tracer
 from jaxtyping import PyTree
 
 from ._cast import (
@@ -38,7 +39,7 @@ from ._filters import (
 )
 from ._fp8 import Fp8ParamsHook, Fp8Rule
 from ._jaxpr._compat import UnsupportedJaxError
-from ._jaxpr._evaluate import evaluate_function
+from ._jaxpr._evaluate import Origin, evaluate_function, leaf_origins
 from ._policy import Policy, get_policy, resolve_policy
 from ._report import precision_report
 from ._sharding import ReduceInHook
@@ -163,12 +164,13 @@ def _input_cast_class(cls: type) -> type:
     def __call__(self, *args, **kwargs):
         call = ft.partial(cls.__call__, self)
         weight = getattr(self, "weight", None)
-        inputs = jtu.tree_leaves(drop_state((args, kwargs)))
-        if not is_floating_array(weight) or all(
-            x.dtype == weight.dtype for x in inputs if is_floating_array(x)
-        ):
+        if weight is None or not is_floating_array(weight):
             return call(*args, **kwargs)
-        return _call_at(call, args, kwargs, lambda _: weight.dtype)
+        dtype = weight.dtype
+        inputs = jtu.tree_leaves(drop_state((args, kwargs)))
+        if all(x.dtype == dtype for x in inputs if is_floating_array(x)):
+            return call(*args, **kwargs)
+        return _call_at(call, args, kwargs, lambda _: dtype)
 
     namespace = {
         "__init__": __init__,
@@ -257,20 +259,27 @@ def _cast_selected(tree: PyTree, mask: PyTree[bool], policy: Policy) -> PyTree:
 
 
 def _amp_view(
-    fn: Any, policy: Policy, filter_spec: FilterSpec | None, memo: dict[int, Any]
+    fn: Any,
+    policy: Policy,
+    filter_spec: FilterSpec | None,
+    memo: dict[int, Any],
+    copies: list[tuple[Any, Any]] | None = None,
 ) -> Any:
     """`fn` with the floating leaves it holds cast to the compute dtype: the leaves of
     a module, of the object a method is bound to, of the arguments of a
     `functools.partial`, and of the values a function closes over or takes as
     defaults. Lists, dicts and other mutable objects are passed as they are (never
     copied), so a function's changes to them are seen. `memo` maps each object seen
-    to its view, so that a recursive function calls its own view."""
+    to its view, so that a recursive function calls its own view; `copies` gets
+    each pytree cast and its cast copy."""
     key = id(fn)
     if key in memo:
         return memo[key]
-    view = lambda x: _amp_view(x, policy, filter_spec, memo)  # noqa: E731
+    view = lambda x: _amp_view(x, policy, filter_spec, memo, copies)  # noqa: E731
     if isinstance(fn, eqx.Module) or _is_pytree_node(fn) or is_floating_array(fn):
         memo[key] = _cast_module(fn, policy, filter_spec)
+        if copies is not None:
+            copies.append((fn, memo[key]))
     elif isinstance(fn, types.MethodType):
         memo[key] = types.MethodType(fn.__func__, view(fn.__self__))
     elif isinstance(fn, ft.partial):
@@ -382,6 +391,9 @@ class _AmpWrapper(FunctionWrapper):
     # where `filter_amp` was applied (warned about there), as
     # `overflows_by_dtype` gives them; said where the policy is read.
     weight_overflows: tuple = eqx.field(static=True, default=())
+    # `fp8_filter` applied to the module `filter_amp` was given, one bool per leaf
+    # (asked then: Equinox rebuilds modules, so an identity test would fail later).
+    fp8_selected: tuple[bool, ...] | None = eqx.field(static=True, default=None)
 
     def __call__(self, *args, **kwargs):
         policy = resolve_policy(self.policy)
@@ -392,19 +404,35 @@ class _AmpWrapper(FunctionWrapper):
             fix=KEEP_OR_RESCALE,
             stacklevel=user_stacklevel() + 1,  # warned one call down
         )
-        fn = _amp_view(self.fn, policy, self.filter_spec, {})
-        args, kwargs = _cast_arguments(args, kwargs, policy, self.arg_spec)
+        copies: list[tuple[Any, Any]] = []
+        fn = _amp_view(self.fn, policy, self.filter_spec, {}, copies)
+        cast_args, cast_kwargs = _cast_arguments(args, kwargs, policy, self.arg_spec)
+        copies.append(((args, kwargs), (cast_args, cast_kwargs)))
+        args, kwargs = cast_args, cast_kwargs
         _check_coverage(self.fn, fn, args, kwargs, policy)
         if self.fp8 is not None:
             _check_fp8_policy(policy)
             # The arrays of the modules the filter selects are the parameters whose
-            # matmuls run in fp8.
+            # matmuls run in fp8. It is asked about the modules as they were given
+            # (`m is model.head` holds for them, not for their cast copies), and
+            # their arrays are found in the function's closure too.
             selected = self.fp8_filter or (lambda module: True)
+            if self.fp8_selected is None:
+                params = _arrays_of_selected(copies, selected)
+            else:  # the module given: asked when `filter_amp` was applied
+                params = [
+                    leaf
+                    for leaf, picked in zip(jtu.tree_leaves(fn), self.fp8_selected)
+                    if picked and eqx.is_array(leaf)
+                ]
+                params += _arrays_of_selected(copies[-1:], selected)  # the arguments
+            if not params and self.fp8_filter is not None:
+                _warn_fp8_filter_selects_nothing(copies)
             out = evaluate_function(
                 _call,
                 (fn, args, kwargs),
                 Fp8ParamsHook(self.fp8.scaling),
-                params_are=lambda node: _is_module(node) and bool(selected(node)),
+                param_arrays=params,
             )
         elif policy.reduce_dtype == policy.compute_dtype:
             out = fn(*args, **kwargs)
@@ -418,6 +446,64 @@ class _AmpWrapper(FunctionWrapper):
                 params_are=_is_module,
             )
         return cast_all_but_state(out, lambda _: policy.output_dtype)
+
+
+def _arrays_of_selected(
+    copies: list[tuple[Any, Any]], selected: Callable[[Any], Any]
+) -> list[Any]:
+    """The arrays of the cast copies of the modules `selected` picks among the
+    originals (from the outside in: a module it picks is picked whole)."""
+    found: list[Any] = []
+
+    def visit(original, copy):
+        if _is_module(original) and selected(original):
+            found.extend(leaf for leaf in jtu.tree_leaves(copy) if eqx.is_array(leaf))
+            return
+        originals = _children(original)
+        copied = _children(copy)
+        if len(originals) != len(copied):  # not a copy of the same structure
+            return
+        for child, child_copy in zip(originals, copied):
+            if _is_module(child):
+                visit(child, child_copy)
+
+    for original, copy in copies:
+        visit(original, copy)
+    return found
+
+
+def _children(node: Any) -> list[Any]:
+    """The leaves of `node`, its submodules (other than itself) counted as leaves."""
+    return jtu.tree_leaves(node, is_leaf=lambda x: x is not node and _is_module(x))
+
+
+def fp8_selection(tree: Any, fp8_filter: Callable[[Any], Any]) -> tuple[bool, ...]:
+    """One bool per leaf of `tree`: in a module `fp8_filter` selects, asked from the
+    outside in (a module it selects is selected whole)."""
+
+    def picked(node: Any) -> bool:
+        return _is_module(node) and bool(fp8_filter(node))
+
+    return tuple(origin is Origin.PARAMS for origin in leaf_origins(tree, picked))
+
+
+def _warn_fp8_filter_selects_nothing(copies: list[tuple[Any, Any]]) -> None:
+    has_modules = any(
+        _is_module(node)
+        for original, _ in copies
+        for node in [original, *_children(original)]
+    )
+    if has_modules:
+        warnings.warn(
+            "`fp8_filter` selected no module with arrays, so no matmul runs in fp8. "
+            "It is asked about the modules as `filter_amp` is given them (and as "
+            "passed to the call): an identity test (`m is model.head`) fails for a "
+            "copy, and `eqx.filter_vmap(model)`, `eqx.filter_jit`, `eqx.filter_grad` "
+            "and optimizer updates all hold or pass rebuilt copies. Select by type or "
+            "attribute, apply `filter_amp` to the model itself (`jax.vmap(filter_amp("
+            "model, ...))`), or use `BiModel`.",
+            stacklevel=user_stacklevel() + 1,
+        )
 
 
 def _check_fp8_policy(policy: Policy) -> None:
@@ -500,7 +586,7 @@ def _check_coverage(
     trace the function again on every call."""
     if not is_half_dtype(policy.compute_dtype):
         return
-    is_tracer = lambda x: isinstance(x, jax.core.Tracer)  # noqa: E731
+    is_tracer = lambda x: isinstance(x, Tracer)  # noqa: E731
     if not any(map(is_tracer, jtu.tree_leaves((view, args, kwargs)))):
         return
     try:
@@ -582,7 +668,7 @@ def _model_name(fn: Any) -> str:
         wrapped = getattr(type(fn), "__wrapped__", None)
         if wrapped is not None:  # `eqx.filter_vmap(model)` and the like
             transform = _EQUINOX_TRANSFORMS.get(type(fn).__name__, type(fn).__name__)
-            return f"{_model_name(fn.__wrapped__)} under {transform}"
+            return f"{_model_name(getattr(fn, '__wrapped__'))} under {transform}"
     if isinstance(fn, ft.partial):
         return _model_name(fn.func)
     if isinstance(fn, (types.FunctionType, types.MethodType)):
@@ -687,8 +773,19 @@ def filter_amp(
     _check_arg_spec(arg_spec)
     _check_mutable_captures(fn)
     overflows = _warn_if_weights_overflow(fn, policy, filter_spec)
+    fp8_selected = None
+    if fp8_filter is not None and (isinstance(fn, eqx.Module) or _is_pytree_node(fn)):
+        # Asked now, of the module given: the wrapper below holds a rebuilt copy.
+        fp8_selected = fp8_selection(fn, fp8_filter)
     wrapper = _AmpWrapper(
-        fn, policy, filter_spec, arg_spec, fp8, fp8_filter, weight_overflows=overflows
+        cast(Callable, fn),
+        policy,
+        filter_spec,
+        arg_spec,
+        fp8,
+        fp8_filter,
+        weight_overflows=overflows,
+        fp8_selected=fp8_selected,
     )
     return eqx.module_update_wrapper(wrapper)
 

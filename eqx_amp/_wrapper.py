@@ -45,7 +45,7 @@ def check_callable(fn: Any, transform: str) -> None:
 # Frames in these directories are library code: a warning about the user's program
 # points past them, at the user's own line.
 _LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+    os.path.dirname(os.path.abspath(str(module.__file__))) + os.sep
     for module in (jax, eqx, jaxtyping)
 ) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 
