@@ -34,7 +34,9 @@ from jaxtyping import PyTree
 
 HALF_TYPES = ("bf16", "f16")
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?\s*([a-z][a-z0-9]*)[\[\s,)]")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?\s*([a-z][a-z0-9]*)[\[\s,)]"
+)
 _CONVERT_OF = re.compile(r"\sconvert\((?:[^)%]*%)?([\w.\-]+)\)")
 _MATMUL = re.compile(r"=\s*[^=]*?\s(dot|convolution)\(([^)]*)\)")
 
@@ -137,7 +139,9 @@ def saved_residuals(loss_of: Callable, diff_args: PyTree) -> dict:
     shapes = jax.tree_util.tree_leaves(jax.eval_shape(residuals, diff_args))
     by_dtype = collections.Counter()
     for s in shapes:
-        by_dtype[str(np.dtype(s.dtype))] += int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+        by_dtype[str(np.dtype(s.dtype))] += (
+            int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+        )
     return {
         "bytes": sum(by_dtype.values()),
         "count": len(shapes),

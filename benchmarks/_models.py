@@ -200,7 +200,9 @@ PRESETS = {
     # for one large GPU (sized for an H200; `eqx.nn.MultiheadAttention` materialises
     # the attention matrices, tens of GB in float32 for the GPT).
     "gpu": {
-        "gpt": GPTConfig(vocab=32768, width=768, depth=12, heads=12, seq=1024, batch=16),
+        "gpt": GPTConfig(
+            vocab=32768, width=768, depth=12, heads=12, seq=1024, batch=16
+        ),
         "cnn": CNNConfig(64, 3, (64, 128, 256, 512), 2, 1000, 32, batch=128),
     },
 }
@@ -256,7 +258,10 @@ def make_task(name: str, config, *, seed: int = 0) -> Task:
             k1, k2 = jr.split(k)
             shape = (config.batch, config.channels, config.image, config.image)
             batches.append(
-                (jr.normal(k1, shape), jr.randint(k2, (config.batch,), 0, config.classes))
+                (
+                    jr.normal(k1, shape),
+                    jr.randint(k2, (config.batch,), 0, config.classes),
+                )
             )
     else:
         raise ValueError(f"unknown model {name!r}; expected 'gpt' or 'cnn'")

@@ -103,7 +103,9 @@ def _scaled_step(task: Task, loss_fn: Callable) -> Built:
 
     def step(state, batch):
         model, opt_state, loss_scale = state
-        (loss, grads), loss_scale, finite = grad_fn(model, *batch, loss_scale=loss_scale)
+        (loss, grads), loss_scale, finite = grad_fn(
+            model, *batch, loss_scale=loss_scale
+        )
         updates, new_opt_state = optimizer.update(grads, opt_state, _params(model))
         new_model = eqx.apply_updates(model, updates)
         model, opt_state = eqx_amp.select_tree(
@@ -197,7 +199,7 @@ filter_amp = wrapped(eqx_amp.filter_amp)
 autocast = wrapped(eqx_amp.autocast)
 # fp8 matmuls (current scaling), everything else as autocast in bfloat16.
 autocast_fp8 = wrapped(
-    ft.partial(eqx_amp.autocast, rules={jax.lax.dot_general_p: eqx_amp.FP8})
+    ft.partial(eqx_amp.autocast, rules={jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE})
 )
 
 
@@ -225,7 +227,9 @@ def bimodel(dtype: str):
 
         bm = eqx_amp.BiModel(task.model, policy=_POLICY[dtype])
         loss_scale = (
-            eqx_amp.NoOpLossScale() if dtype == "bf16" else eqx_amp.DynamicLossScale(2.0**15)
+            eqx_amp.NoOpLossScale()
+            if dtype == "bf16"
+            else eqx_amp.DynamicLossScale(2.0**15)
         )
         state = (bm, optimizer.init(_params(bm.master)), loss_scale)
         # Differentiated with respect to the compute copy, as `value_and_grad` does.
@@ -256,7 +260,9 @@ def jmp_variant(dtype: str):
     def build(task: Task) -> Built:
         import jmp
 
-        policy = jmp.get_policy(f"params=float32,compute={_jmp_name(dtype)},output=float32")
+        policy = jmp.get_policy(
+            f"params=float32,compute={_jmp_name(dtype)},output=float32"
+        )
         norm_policy = jmp.get_policy(
             f"params=float32,compute=float32,output={_jmp_name(dtype)}"
         )
@@ -271,8 +277,10 @@ def jmp_variant(dtype: str):
 
         is_norm = lambda x: isinstance(x, NormWithPolicy)  # noqa: E731
         optimizer = task.optimizer
-        loss_scale = jmp.NoOpLossScale() if dtype == "bf16" else jmp.DynamicLossScale(
-            jnp.asarray(2.0**15, jnp.float32)
+        loss_scale = (
+            jmp.NoOpLossScale()
+            if dtype == "bf16"
+            else jmp.DynamicLossScale(jnp.asarray(2.0**15, jnp.float32))
         )
 
         def loss_fn(model, x, y, loss_scale):
@@ -391,7 +399,11 @@ def jaxamp_variant(dtype: str):
             updates, opt_state = optimizer.update(grads, opt_state, _params(model))
             return (eqx.apply_updates(model, updates), opt_state, scaler), loss
 
-        state = (task.model, optimizer.init(_params(task.model)), jaxamp.DynamicScalerState())
+        state = (
+            task.model,
+            optimizer.init(_params(task.model)),
+            jaxamp.DynamicScalerState(),
+        )
         loss_of, diff_args = _loss_of_params(amp_loss, task.model, task.batch(0))
         return Built(step, state, loss_of, diff_args, master=lambda s: s[0])
 
@@ -426,4 +438,6 @@ VARIANTS: dict[str, Variant] = {
 }  # fmt: skip
 
 DEFAULT_VARIANTS = tuple(VARIANTS)
-EQX_AMP_ONLY = tuple(n for n, v in VARIANTS.items() if v.family in ("baseline", "eqx_amp"))
+EQX_AMP_ONLY = tuple(
+    n for n, v in VARIANTS.items() if v.family in ("baseline", "eqx_amp")
+)

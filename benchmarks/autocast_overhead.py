@@ -99,8 +99,10 @@ def main():
             step = make_step(optimizer, amp=name == "autocast")
             results[name].append(measure(step, model, opt_state, tokens, tokens))
 
-    print(f"transformer: {args.layers} layers, dim {args.dim}, seq {args.seq}, "
-          f"backend {jax.default_backend()}, median of {args.repeats}")
+    print(
+        f"transformer: {args.layers} layers, dim {args.dim}, seq {args.seq}, "
+        f"backend {jax.default_backend()}, median of {args.repeats}"
+    )
     print(f"{'variant':<10} {'trace+lower s':>14} {'compile s':>10} {'total s':>8}")
     totals = {}
     for name, runs in results.items():
@@ -108,8 +110,10 @@ def main():
         compile_ = statistics.median(r[1] for r in runs)
         totals[name] = statistics.median(r[0] + r[1] for r in runs)
         print(f"{name:<10} {trace:>14.3f} {compile_:>10.3f} {totals[name]:>8.3f}")
-    print(f"autocast/fp32 trace+compile: {totals['autocast'] / totals['fp32']:.2f}x "
-          "(target <= 1.5x)")
+    print(
+        f"autocast/fp32 trace+compile: {totals['autocast'] / totals['fp32']:.2f}x "
+        "(target <= 1.5x)"
+    )
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def main():
         for seed in range(SEEDS):
             reference = final_weights(optax.adam(LEARNING_RATE), magnitudes, seed)
             for storage in errors:
-                optimizer = eqx_amp.low_precision_moments(
+                optimizer = eqx_amp.optim.low_precision_moments(
                     optax.adam(LEARNING_RATE), storage, key=jax.random.key(seed)
                 )
                 weights = final_weights(optimizer, magnitudes, seed)

@@ -78,7 +78,9 @@ def _first_line(e: BaseException) -> str:
 
 def run_model(name: str, config, variants: list[Variant], args) -> dict:
     task = make_task(name, config)
-    print(f"\n== {task.description} ({count_params(task.model):,} parameters)", flush=True)
+    print(
+        f"\n== {task.description} ({count_params(task.model):,} parameters)", flush=True
+    )
     results = {v.name: {"variant": v.name, "family": v.family, "dtype": v.dtype,
                         "scaling": v.scaling, "status": "ok"} for v in variants}  # fmt: skip
     live = []
@@ -104,7 +106,7 @@ def run_model(name: str, config, variants: list[Variant], args) -> dict:
     first = {}
     timings = {v.name: [] for v in live}
     for r in range(args.repeats):
-        order = live[r % len(live):] + live[: r % len(live)] if live else []
+        order = live[r % len(live) :] + live[: r % len(live)] if live else []
         for v in order:
             if results[v.name]["status"] != "ok":
                 continue
@@ -177,7 +179,9 @@ def run_model(name: str, config, variants: list[Variant], args) -> dict:
             continue
         built, out = first[v.name]
         state = eqx.combine(states[v.name], out["static_state"])
-        res["step_s"] = statistics.median(step_times[v.name]) if step_times[v.name] else None
+        res["step_s"] = (
+            statistics.median(step_times[v.name]) if step_times[v.name] else None
+        )
         res["step_times_s"] = step_times[v.name]
         res["train_losses"] = losses[v.name]
         res["final_loss"] = float(eval_loss(built.master(state), x, y))
@@ -203,8 +207,12 @@ def _add_ratios(results: dict) -> None:
         mem = res["memory"].get("total_bytes")
         saved = res["saved"].get("bytes")
         res["ratios"] = {
-            "trace_compile_vs_fp32": _ratio(res["trace_compile_s"], fp32.get("trace_compile_s")),
-            "trace_compile_vs_hand": _ratio(res["trace_compile_s"], hand.get("trace_compile_s")),
+            "trace_compile_vs_fp32": _ratio(
+                res["trace_compile_s"], fp32.get("trace_compile_s")
+            ),
+            "trace_compile_vs_hand": _ratio(
+                res["trace_compile_s"], hand.get("trace_compile_s")
+            ),
             "trace_vs_fp32": _ratio(res["trace_lower_s"], fp32.get("trace_lower_s")),
             "step_vs_fp32": _ratio(res.get("step_s"), fp32.get("step_s")),
             "step_vs_hand": _ratio(res.get("step_s"), hand.get("step_s")),
@@ -362,7 +370,10 @@ def check_targets(models: dict, backend: str) -> list[dict]:
                     continue
                 # The same compiled program cannot be ahead of itself: its
                 # compile and step times differ by noise only.
-                same = res["hlo_compiled"]["signature"] == pres["hlo_compiled"]["signature"]
+                same = (
+                    res["hlo_compiled"]["signature"]
+                    == pres["hlo_compiled"]["signature"]
+                )
                 v = _ratio(res.get("step_s"), pres.get("step_s"))
                 add(mname, name, f"step time ahead of {peer} (GPU)", v, 1.0,
                     v is not None and v < 1.0, True,
@@ -405,7 +416,9 @@ def targets_text(checks: list[dict], backend: str) -> str:
 def hardware() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version()}
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            ["lscpu"], capture_output=True, text=True, timeout=10
+        ).stdout
         for line in out.splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "Model name":
@@ -445,12 +458,16 @@ def markdown_report(report: dict) -> str:
         parts.append(f"**{model['description']}** ({model['params']:,} parameters; "
                      f"initial loss {model['initial_loss']:.4f})")  # fmt: skip
         parts.append(markdown_table(model))
-    parts.append("Targets:\n\n```\n" + targets_text(report["targets"], meta["backend"]) + "\n```")
+    parts.append(
+        "Targets:\n\n```\n" + targets_text(report["targets"], meta["backend"]) + "\n```"
+    )
     parts.append("Compact (for the README):\n\n" + compact_table(report["models"]))
     return "\n\n".join(parts) + "\n"
 
 
-def explain(model_names: list[str], preset: str, names: list[str], reference: str) -> None:
+def explain(
+    model_names: list[str], preset: str, names: list[str], reference: str
+) -> None:
     """Prints, per model, the saved residuals of each variant that differ from those
     of `reference`: dtype and shape, the op that produced them and its source line."""
     for mname in model_names:
@@ -464,10 +481,14 @@ def explain(model_names: list[str], preset: str, names: list[str], reference: st
             print(f"\n== {mname} {name}: saved {total / MiB:.3f} MiB vs {reference} "
                   f"{ref_total / MiB:.3f} MiB ({total / ref_total:.3f}x)")  # fmt: skip
             print(f"{'bytes':>10} {reference:>10}  residual, and what produced it")
-            keys = sorted(set(table) | set(ref_table), key=lambda k: -abs(table[k] - ref_table[k]))
+            keys = sorted(
+                set(table) | set(ref_table), key=lambda k: -abs(table[k] - ref_table[k])
+            )
             for key in keys:
                 if table[key] != ref_table[key]:
-                    print(f"{table[key]:>10} {ref_table[key]:>10}  {key[0]:<22} {key[1]}")
+                    print(
+                        f"{table[key]:>10} {ref_table[key]:>10}  {key[0]:<22} {key[1]}"
+                    )
 
 
 #
@@ -516,9 +537,12 @@ def main(argv=None):
     parser.add_argument("--markdown", type=pathlib.Path,
                         help="write the tables and targets as markdown here")  # fmt: skip
     parser.add_argument("--verbose", action="store_true", help="tracebacks of failures")
-    parser.add_argument("--explain", action="store_true",
-                        help="instead of benchmarking, print the saved residuals in which "
-                        "each variant differs from --reference (no compilation)")
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="instead of benchmarking, print the saved residuals in which "
+        "each variant differs from --reference (no compilation)",
+    )
     parser.add_argument("--reference", default="hand_bf16", choices=sorted(VARIANTS))
     args = parser.parse_args(argv)
     if args.preset == "sharded":
@@ -532,7 +556,9 @@ def main(argv=None):
         command = [sys.executable, str(_HERE / "training_state.py")]
         sys.exit(subprocess.run(command).returncode)
     args.steps = STEPS[args.preset] if args.steps is None else max(2, args.steps)
-    args.repeats = REPEATS[args.preset] if args.repeats is None else max(1, args.repeats)
+    args.repeats = (
+        REPEATS[args.preset] if args.repeats is None else max(1, args.repeats)
+    )
     variants = [VARIANTS[n] for n in parse_variants(args.variants)]
     model_names = [m.strip() for m in args.models.split(",") if m.strip()]
     if args.explain:
@@ -548,7 +574,8 @@ def main(argv=None):
         "steps": args.steps,
         "repeats": args.repeats,
         "variants": [v.name for v in variants],
-        "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python benchmarks/run.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
     }
     print(f"eqx_amp benchmarks: backend {backend}, preset {args.preset}, "
           f"{args.steps} steps, {args.repeats} repeats; {meta['hardware'].get('cpu')}, "

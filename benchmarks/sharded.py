@@ -10,7 +10,7 @@ on two meshes and with both of JAX's engines:
   key, value and MLP-in projections split by output, output and MLP-out projections
   split by input) over `model` and FSDP over `data`;
 - engines: `jit` (GSPMD: `jax.jit` over `NamedSharding`s) and `shard_map` (FSDP by
-  hand over `data` with `eqx_amp.gather_params`, the `model` axis left to GSPMD).
+  hand over `data` with `eqx_amp.sharding.gather_params`, the `model` axis left to GSPMD).
 
 For each it reads the program right after SPMD partitioning (XLA's dump of the
 `spmd-partitioning` pass: the CPU backend widens half-precision collectives later,
@@ -265,7 +265,7 @@ def build_step(case: Case, static, mesh) -> Callable:
             dtype = jnp.float32 if case.variant == "fp32" else _HALF[case.dtype]
             params = _hand_gather(shards, dims, dtype)
         else:
-            params = eqx_amp.gather_params(
+            params = eqx_amp.sharding.gather_params(
                 shards, DATA, specs=specs, policy=case.policy
             )
         return jax.lax.pmean(loss(params, tokens), DATA)

@@ -10,12 +10,12 @@ Configurations (AdamW; bfloat16 compute in all but `f32 Adam`):
 - `f32 Adam`: a float32 model and optax's AdamW.
 - `AMP, f32 master`: `BiModel(model, policy="mixed_bfloat16")`: float32 master,
     bfloat16 compute copy, float32 moments.
-- `master_weights`: a bfloat16 model, `eqx_amp.master_weights(optax.adamw(...))`:
+- `master_weights`: a bfloat16 model, `eqx_amp.optim.master_weights(optax.adamw(...))`:
     the float32 master lives in the optimizer state.
 - `bf16 + Kahan, bf16 moments`: `BiModel(model, policy="p=bf16,c=bf16,o=f32",
     compensation="kahan")` and `low_precision_moments(adamw, "bfloat16")`.
 - `bf16 + SR, 8-bit moments`: a bfloat16 model, `optax.chain(low_precision_moments(
-    adamw, "8bit"), stochastic_rounding(key))`, `eqx_amp.apply_updates`.
+    adamw, "8bit"), stochastic_rounding(key))`, `eqx_amp.optim.apply_updates`.
 
 *Bytes/weight* sums every array of the state a run keeps between steps (weights,
 compute copy, optimizer state) and divides by the number of trainable weights; the
@@ -72,7 +72,7 @@ def configurations() -> list[Config]:
 
         def update(model, opt_state, grads):
             updates, opt_state = optimizer.update(grads, opt_state, _trainable(model))
-            return eqx_amp.apply_updates(model, updates), opt_state
+            return eqx_amp.optim.apply_updates(model, updates), opt_state
 
         return Config(name, start, update, lambda m: m, policy)
 
@@ -89,7 +89,7 @@ def configurations() -> list[Config]:
 
         return Config(name, start, update, lambda b: b.compute)
 
-    master = eqx_amp.master_weights(adamw())
+    master = eqx_amp.optim.master_weights(adamw())
 
     def master_start(model):
         model = eqx_amp.cast_tree(model, jnp.bfloat16)
@@ -106,15 +106,15 @@ def configurations() -> list[Config]:
         ),
         bimodel(
             BF16_MASTER,
-            eqx_amp.low_precision_moments(adamw(), "bfloat16"),
+            eqx_amp.optim.low_precision_moments(adamw(), "bfloat16"),
             "bf16 + Kahan, bf16 moments",
             compensation="kahan",
         ),
         optax_on(
             jnp.bfloat16,
             optax.chain(
-                eqx_amp.low_precision_moments(adamw(), "8bit"),
-                eqx_amp.stochastic_rounding(jr.key(0)),
+                eqx_amp.optim.low_precision_moments(adamw(), "8bit"),
+                eqx_amp.optim.stochastic_rounding(jr.key(0)),
             ),
             name="bf16 + SR, 8-bit moments",
         ),

@@ -109,7 +109,7 @@ class BiModel(eqx.Module):
     - `filter_spec`: which floating leaves get a compute-dtype copy, as
         `eqx.partition` accepts; `None` means `default_filter_spec(model)`.
     - `fp8`, `fp8_filter`: fp8 matmuls for the selected modules, as for
-        `eqx_amp.filter_amp` (`fp8=eqx_amp.FP8`).
+        `eqx_amp.filter_amp` (`fp8=eqx_amp.fp8.TENSORWISE`).
 
     **Attributes:**
 

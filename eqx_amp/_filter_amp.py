@@ -524,7 +524,7 @@ def _check_fp8_policy(policy: Policy) -> None:
 def _check_fp8_options(fp8: Any, fp8_filter: Any) -> None:
     if fp8 is not None and not isinstance(fp8, Fp8Rule):
         raise TypeError(
-            "`fp8` must be `eqx_amp.FP8`, `eqx_amp.FP8_ROWWISE` or None, but got "
+            "`fp8` must be `eqx_amp.fp8.TENSORWISE`, `eqx_amp.fp8.ROWWISE` or None, but got "
             f"{fp8!r}."
         )
     if fp8_filter is not None:

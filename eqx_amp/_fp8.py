@@ -40,8 +40,8 @@ _SCALINGS = ("tensorwise", "rowwise")
 
 
 class Fp8Rule:
-    """`FP8` and `FP8_ROWWISE`: `dot_general` runs as an fp8 matmul with current
-    scaling (`eqx_amp.fp8_dot_general`) from operands cast to the compute dtype,
+    """`eqx_amp.fp8.TENSORWISE` and `ROWWISE`: `dot_general` runs as an fp8 matmul with current
+    scaling (`eqx_amp.fp8.dot_general`) from operands cast to the compute dtype,
     where its shapes allow an fp8 GEMM (every dimension a multiple of 16), and
     `conv_general_dilated` as an fp8 convolution (tensorwise, feature counts
     multiples of 16); the others stay in the compute dtype, and `precision_report`
@@ -54,19 +54,19 @@ class Fp8Rule:
 
     def __call__(self, *args, **kwargs):
         raise TypeError(
-            f"eqx_amp.{self.name} is applied by `autocast` itself (it rebinds the "
+            f"eqx_amp.fp8.{self.name} is applied by `autocast` itself (it rebinds the "
             "matmul); it cannot be called as a rule function."
         )
 
     def __repr__(self) -> str:
-        return f"eqx_amp.{self.name}"
+        return f"eqx_amp.fp8.{self.name}"
 
     def __reduce__(self):
         return self.name
 
 
-FP8 = Fp8Rule("FP8", "tensorwise")
-FP8_ROWWISE = Fp8Rule("FP8_ROWWISE", "rowwise")
+TENSORWISE = Fp8Rule("TENSORWISE", "tensorwise")
+ROWWISE = Fp8Rule("ROWWISE", "rowwise")
 
 
 # The largest scale: its inverse, 2**-126, is float32's smallest normal, so unscaling
@@ -189,12 +189,12 @@ def _dot32(lhs: Array, rhs: Array, dims) -> Array:
 
 
 _HIGHER_ORDER = (
-    "fp8 matmuls and convolutions (`eqx_amp.fp8_dot_general`, the `FP8` rules, "
+    "fp8 matmuls and convolutions (`eqx_amp.fp8.dot_general`, the fp8 rules, "
     "`fp8=`) have first-order derivatives only: differentiating their backward pass "
     "again (a Hessian, a Hessian-vector product, `jax.jvp` of a gradient) would round "
     "the second-order terms to fp8 without scales. Keep the products such a "
     "derivative goes through out of fp8 (an `fp8_filter`, or a scope rule "
-    "`eqx_amp.LOW`), or differentiate once."
+    "`eqx_amp.rules.LOW`), or differentiate once."
 )
 
 
@@ -409,7 +409,7 @@ def matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible: bool) -> Ar
     return _fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype)(lhs, rhs)
 
 
-def fp8_dot_general(
+def dot_general(
     lhs: Array,
     rhs: Array,
     dimension_numbers: Any,
@@ -448,7 +448,7 @@ def fp8_dot_general(
     **Example:**
 
     ```python
-    y = eqx_amp.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), out_dtype=jnp.bfloat16)
+    y = eqx_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ())), out_dtype=jnp.bfloat16)
     ```
     """
     if scaling not in _SCALINGS:
@@ -458,7 +458,7 @@ def fp8_dot_general(
     for name, operand in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(jnp.result_type(operand), jnp.floating):
             raise TypeError(
-                f"`fp8_dot_general` multiplies floating arrays, but `{name}` is "
+                f"`eqx_amp.fp8.dot_general` multiplies floating arrays, but `{name}` is "
                 f"{jnp.result_type(operand)}."
             )
     if out_dtype is None:
@@ -521,7 +521,7 @@ def fp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:
 class Fp8ParamsHook(Hook):
     """Runs a program unchanged, except that each `dot_general` reading a parameter
     (an array of the modules the fp8 filter selected) runs as an fp8 matmul where
-    its shapes allow one (`filter_amp(..., fp8=eqx_amp.FP8)`)."""
+    its shapes allow one (`filter_amp(..., fp8=eqx_amp.fp8.TENSORWISE)`)."""
 
     def __init__(self, scaling: str):
         self.scaling = scaling

@@ -138,7 +138,7 @@ _AVERAGING_SHARDS = (
     "their gradients over {axis!r} and they arrive identical on every device "
     "(`average=False` here would leave every device with its own, un-averaged "
     "gradients);\n"
-    "- a shard of a parameter (FSDP, gathered with `eqx_amp.gather_params`): pass "
+    "- a shard of a parameter (FSDP, gathered with `eqx_amp.sharding.gather_params`): pass "
     "`average=False`; the check for finiteness is still agreed across {axis!r}, "
     "and the transpose of the gather already sums the gradients into their shards "
     "(in the policy's `reduce_dtype`)."
@@ -147,7 +147,7 @@ _AVERAGING_SHARDS = (
 _AVERAGING_GATHERED = (
     "`axis_name={axis!r}` averages the gradients over {axis!r}, as for parameters "
     "every device holds whole, but the loss gathers parameters sharded over "
-    "{axis!r} with `eqx_amp.gather_params`: their gradients are already reduced "
+    "{axis!r} with `eqx_amp.sharding.gather_params`: their gradients are already reduced "
     "into their shards, and averaging would mix the gradients of different "
     "parameters. Pass `average=False`; the check for finiteness is still agreed "
     "across {axis!r}."
@@ -487,7 +487,7 @@ def filter_value_and_grad(
         `lax.pmean` (data parallelism: every device holds the whole parameters).
     - `average`: whether `axis_name` also averages the gradients and the loss.
         `False` for gradients that are already reduced: parameters sharded over
-        the axis (FSDP under `jax.shard_map`, with `eqx_amp.gather_params`, whose
+        the axis (FSDP under `jax.shard_map`, with `eqx_amp.sharding.gather_params`, whose
         transpose sums each gradient into its shard). Averaging gradients that
         `jax.shard_map` types as varying over the axis, shards, is refused with a
         `ValueError`: it would mix different parameters' gradients.

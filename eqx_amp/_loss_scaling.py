@@ -168,12 +168,12 @@ _NOT_OUR_STATE = (
     "`LossScalingState` its `init` made, but got {}."
 )
 _NO_STATE = (
-    "`opt_state` holds no `eqx_amp.LossScalingState`: wrap the optimizer with "
+    "`opt_state` holds no `eqx_amp.optim.LossScalingState`: wrap the optimizer with "
     "`eqx_amp.loss_scaling(optimizer)` and pass the state its `init` or `update` "
     "returned."
 )
 _SEVERAL_STATES = (
-    "`opt_state` holds {} `eqx_amp.LossScalingState`s; `scaled_value_and_grad` needs "
+    "`opt_state` holds {} `eqx_amp.optim.LossScalingState`s; `scaled_value_and_grad` needs "
     "exactly one loss scale to read. Wrap only the outermost optimizer with "
     "`eqx_amp.loss_scaling`."
 )

@@ -1,4 +1,4 @@
-"""Optimizer moments stored in low precision: `eqx_amp.low_precision_moments`.
+"""Optimizer moments stored in low precision: `eqx_amp.optim.low_precision_moments`.
 
 Adam keeps two float32 moments per weight: 8 bytes, more than the weight and its
 gradient together in mixed precision. Stored in bfloat16 they cost 4 bytes, and 8-bit
@@ -275,7 +275,7 @@ def _unblock(blocks: Array, shape: tuple[int, ...]) -> Array:
 
 
 class LowPrecisionMomentsState(NamedTuple):
-    """The state of `eqx_amp.low_precision_moments(optimizer, ...)`.
+    """The state of `eqx_amp.optim.low_precision_moments(optimizer, ...)`.
 
     **Fields:**
 
@@ -395,7 +395,7 @@ def low_precision_moments(
 
     - `optimizer`: any optax optimizer, optax's combinators included (`chain`,
         `masked`, `multi_transform`, `inject_hyperparams`, `MultiSteps`,
-        `apply_if_finite`); not an `eqx_amp.master_weights`, which wraps this one
+        `apply_if_finite`); not an `eqx_amp.optim.master_weights`, which wraps this one
         instead. An optimizer whose state holds no moment warns at `init`.
     - `storage`: `"bfloat16"` or `"8bit"`.
     - `key`: the PRNG key the roundings are drawn from; `None` means
@@ -417,7 +417,7 @@ def low_precision_moments(
     **Example:**
 
     ```python
-    optimizer = eqx_amp.low_precision_moments(optax.adamw(1e-3), "8bit")
+    optimizer = eqx_amp.optim.low_precision_moments(optax.adamw(1e-3), "8bit")
     opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
     updates, opt_state = optimizer.update(grads, opt_state, params)
     ```
@@ -523,7 +523,7 @@ def low_precision_moments(
     def update_fn(updates, state, params=None, **extra_args):
         if not isinstance(state, LowPrecisionMomentsState):
             raise TypeError(
-                "The state passed to the `update` of `eqx_amp.low_precision_moments"
+                "The state passed to the `update` of `eqx_amp.optim.low_precision_moments"
                 "(...)` must be the `LowPrecisionMomentsState` its `init` made, but "
                 f"got {type(state).__name__}."
             )

@@ -6,7 +6,7 @@ compensated updates for bfloat16 weights.
     `MixedPrecision` does it. It owns the parameter update, so it wraps an
     optimizer rather than joining a chain.
 - `kahan_summation()` and `stochastic_rounding(key)`: the last link of an optax
-    chain for bfloat16 weights, with `eqx_amp.apply_updates`.
+    chain for bfloat16 weights, with `eqx_amp.optim.apply_updates`.
 """
 
 from collections.abc import Callable
@@ -46,7 +46,7 @@ def check_optimizer(optimizer: Any, where: str) -> None:
     if isinstance(optimizer, MasterWeights):
         raise TypeError(
             f"`{where}` wraps an optax optimizer, whose `update` returns updates; "
-            "`eqx_amp.master_weights(...)` returns the new weights instead, so it "
+            "`eqx_amp.optim.master_weights(...)` returns the new weights instead, so it "
             f"must be the outermost wrapper: `master_weights({where}(...))`."
         )
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
@@ -73,7 +73,7 @@ def check_floating_params(params: PyTree, where: str) -> None:
 
 
 class MasterWeightsState(NamedTuple):
-    """The state of `eqx_amp.master_weights(optimizer)`.
+    """The state of `eqx_amp.optim.master_weights(optimizer)`.
 
     **Fields:**
 
@@ -90,7 +90,7 @@ class MasterWeightsState(NamedTuple):
 class MasterWeights(NamedTuple):
     """An optimizer that keeps the master weights of a half-precision model in its
     state: `init(params)` and `update(grads, state, params) -> (new_params,
-    new_state)`. Made by `eqx_amp.master_weights`."""
+    new_state)`. Made by `eqx_amp.optim.master_weights`."""
 
     init: Callable[[PyTree], MasterWeightsState]
     update: Callable[..., tuple[PyTree, MasterWeightsState]]
@@ -139,7 +139,7 @@ def master_weights(
 
     ```python
     model = eqx_amp.cast_tree(model, jnp.bfloat16)           # a bfloat16 model
-    optimizer = eqx_amp.master_weights(optax.adamw(1e-3))
+    optimizer = eqx_amp.optim.master_weights(optax.adamw(1e-3))
     opt_state = optimizer.init(model)                        # float32 master inside
 
     @eqx.filter_jit
@@ -175,7 +175,7 @@ def master_weights(
     ) -> tuple[PyTree, MasterWeightsState]:
         if not isinstance(state, MasterWeightsState):
             raise TypeError(
-                "The state passed to the `update` of `eqx_amp.master_weights(...)` "
+                "The state passed to the `update` of `eqx_amp.optim.master_weights(...)` "
                 f"must be the `MasterWeightsState` its `init` made, but got "
                 f"{type(state).__name__}."
             )
@@ -211,7 +211,7 @@ def master_weights(
 
 
 class KahanSummationState(NamedTuple):
-    """The state of `eqx_amp.kahan_summation()`.
+    """The state of `eqx_amp.optim.kahan_summation()`.
 
     **Fields:**
 
@@ -232,12 +232,12 @@ def kahan_summation() -> optax.GradientTransformation:
     update to the weight in float32 together with the compensation buffer, rounds
     the sum to bfloat16, keeps what rounding lost in the buffer for the next step,
     and returns the float32 update that lands exactly on the rounded weight. Apply
-    it with `eqx_amp.apply_updates`. float32 (and wider) weights pass through
+    it with `eqx_amp.optim.apply_updates`. float32 (and wider) weights pass through
     unchanged.
 
     Memory: 2 bytes per bfloat16 weight (the buffer), so a bfloat16 model with
     this costs what a float32 one does in weights, and half a float32 master +
-    bfloat16 copy. `eqx_amp.stochastic_rounding` needs no buffer.
+    bfloat16 copy. `eqx_amp.optim.stochastic_rounding` needs no buffer.
 
     **Returns:**
 
@@ -254,12 +254,12 @@ def kahan_summation() -> optax.GradientTransformation:
 
     ```python
     model = eqx_amp.cast_tree(model, jnp.bfloat16)
-    optimizer = optax.chain(optax.adamw(1e-3), eqx_amp.kahan_summation())
+    optimizer = optax.chain(optax.adamw(1e-3), eqx_amp.optim.kahan_summation())
     params = eqx.filter(model, eqx.is_inexact_array)
     opt_state = optimizer.init(params)
     ...
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    model = eqx_amp.apply_updates(model, updates)
+    model = eqx_amp.optim.apply_updates(model, updates)
     ```
     """
 
@@ -304,7 +304,7 @@ def kahan_summation() -> optax.GradientTransformation:
 
 
 class StochasticRoundingState(NamedTuple):
-    """The state of `eqx_amp.stochastic_rounding(key)`.
+    """The state of `eqx_amp.optim.stochastic_rounding(key)`.
 
     **Fields:**
 
@@ -325,7 +325,7 @@ def stochastic_rounding(key: PRNGKeyArray) -> optax.GradientTransformation:
     unbiased (a sum a quarter of the way to the next bfloat16 rounds up one time
     in four). Small updates then survive in expectation, where nearest rounding
     would drop them every time. The update returned lands exactly on the rounded
-    weight: apply it with `eqx_amp.apply_updates`. float32 (and wider) weights
+    weight: apply it with `eqx_amp.optim.apply_updates`. float32 (and wider) weights
     pass through unchanged.
 
     Memory: a PRNG key, nothing per weight. Runs are reproducible: the same key
@@ -352,10 +352,10 @@ def stochastic_rounding(key: PRNGKeyArray) -> optax.GradientTransformation:
 
     ```python
     optimizer = optax.chain(
-        optax.adamw(1e-3), eqx_amp.stochastic_rounding(jax.random.key(0))
+        optax.adamw(1e-3), eqx_amp.optim.stochastic_rounding(jax.random.key(0))
     )
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    model = eqx_amp.apply_updates(model, updates)
+    model = eqx_amp.optim.apply_updates(model, updates)
     ```
     """
     check_key(key, "`stochastic_rounding`")
@@ -398,7 +398,7 @@ def stochastic_rounding(key: PRNGKeyArray) -> optax.GradientTransformation:
 
 _KAHAN_DTYPE_CHANGED = (
     "`kahan_summation` keeps a {} compensation buffer for a weight that is now {}. "
-    "Apply its updates with `eqx_amp.apply_updates(model, updates)`, which keeps "
+    "Apply its updates with `eqx_amp.optim.apply_updates(model, updates)`, which keeps "
     "each weight's dtype (`eqx.apply_updates` promotes bfloat16 weights to float32)."
 )
 _NOT_OUR_STATE = (

@@ -133,7 +133,7 @@ class PrecisionReport:
         (`("bfloat16", "float32")`) included.
     - `wide_matmuls`: the matmuls and convolutions with an operand of 32 bits or
         more, most FLOPs first, each with the reason that operand is wide.
-    - `fp8_skipped`: the matmuls an fp8 rule (`eqx_amp.FP8`) left in the compute
+    - `fp8_skipped`: the matmuls an fp8 rule (`eqx_amp.fp8.TENSORWISE`) left in the compute
         dtype, with the reason. A product whose operands are conversions up from
         fp8 (what an fp8 GEMM reads) counts in `flops_by_dtypes` under the fp8
         dtypes it reads (`("float8_e4m3fn", "float8_e4m3fn")` forward, e5m2 with

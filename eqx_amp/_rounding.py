@@ -46,7 +46,7 @@ def check_compensated_dtype(dtype: Any, where: str) -> None:
         "summation, stochastic rounding) need bfloat16 weights (float32 and wider "
         "ones are updated as they are). float16 has not float32's range, so a "
         "float16 weight can still overflow: keep a float32 master for float16 "
-        '(`policy="mixed_float16"`, or `eqx_amp.master_weights`), or store bfloat16.'
+        '(`policy="mixed_float16"`, or `eqx_amp.optim.master_weights`), or store bfloat16.'
     )
 
 
@@ -155,7 +155,7 @@ def kahan_add(weight: Array, update: Array, compensation: Array) -> tuple[Array,
 
 def exact_update(new: Array, weight: Array) -> Array:
     """The float32 update that takes `weight` to `new`: `new - weight`, which
-    `eqx_amp.apply_updates` (and `optax.apply_updates`, which adds in the wider
+    `eqx_amp.optim.apply_updates` (and `optax.apply_updates`, which adds in the wider
     dtype) adds back to exactly `new`. (Exact whenever `new` is within 2^16 of
     `weight`'s magnitude, which is every practical step; an update that takes a
     weight to below 2^-24 of itself lands on that tiny value's neighbourhood, not

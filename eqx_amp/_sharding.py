@@ -388,7 +388,7 @@ def gather_params(
 
     @ft.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P("data")), out_specs=P())
     def loss_fn(shards, tokens):
-        model = eqx_amp.gather_params(shards, "data", specs=specs, policy=policy)
+        model = eqx_amp.sharding.gather_params(shards, "data", specs=specs, policy=policy)
         logits = jax.vmap(eqx_amp.filter_amp(model, policy=policy))(tokens)
         return jax.lax.pmean(cross_entropy(logits, tokens), "data")
     ```

@@ -1,4 +1,4 @@
-"""Adding optimizer updates to weights of any dtype: `eqx_amp.apply_updates`."""
+"""Adding optimizer updates to weights of any dtype: `eqx_amp.optim.apply_updates`."""
 
 from typing import Any
 
@@ -106,8 +106,8 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     `eqx.apply_updates` adds in the promoted dtype and so turns a bfloat16 weight
     with a float32 update into a float32 weight; `optax.apply_updates` adds in the
     promoted dtype and rounds back, but fails under strict dtype promotion. This is
-    the function to apply the updates of `eqx_amp.kahan_summation()` and
-    `eqx_amp.stochastic_rounding(key)`, whose float32 updates land exactly on the
+    the function to apply the updates of `eqx_amp.optim.kahan_summation()` and
+    `eqx_amp.optim.stochastic_rounding(key)`, whose float32 updates land exactly on the
     rounded weights they computed.
 
     **Arguments:**
@@ -130,9 +130,9 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     **Example:**
 
     ```python
-    optimizer = optax.chain(optax.adamw(1e-3), eqx_amp.kahan_summation())
+    optimizer = optax.chain(optax.adamw(1e-3), eqx_amp.optim.kahan_summation())
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    model = eqx_amp.apply_updates(model, updates)   # bf16 weights stay bf16
+    model = eqx_amp.optim.apply_updates(model, updates)   # bf16 weights stay bf16
     ```
     """
     paired_leaves(updates, params, "params")

@@ -250,7 +250,9 @@ def _where(source: str) -> str:
     return f"{function} ({os.path.basename(path) if os.path.isabs(path) else path})"
 
 
-def print_precision_report(report: eqx_amp.PrecisionReport, full: bool) -> None:
+def print_precision_report(
+    report: eqx_amp.diagnostics.PrecisionReport, full: bool
+) -> None:
     print("\nwhat the amp forward pass runs in which dtype (eqx_amp.precision_report):")
     if full:
         print(report)

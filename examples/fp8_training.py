@@ -4,7 +4,7 @@ Two models, each trained from the same weights on the same batches, for a few se
 with `eqx_amp.autocast` in three ways:
 
 - `bf16`: the default rules (matmuls and convolutions in bfloat16);
-- `fp8`: `rules={dot_general: eqx_amp.FP8, conv_general_dilated: eqx_amp.FP8}`, current
+- `fp8`: `rules={dot_general: eqx_amp.fp8.TENSORWISE, conv_general_dilated: eqx_amp.fp8.TENSORWISE}`, current
   scaling (each tensor scaled from its own absolute maximum before it is cast);
 - `fp8, no scaling` (the ablation): the same casts to `float8_e4m3fn` with no scale,
   written as a user rule; the backward pass then casts gradients to e4m3 unscaled too.
@@ -54,8 +54,8 @@ def _unscaled_fp8(compute_dtype, original_dtypes, *invals, **params):
 VARIANTS = {
     "bf16": None,
     "fp8": {
-        jax.lax.dot_general_p: eqx_amp.FP8,
-        jax.lax.conv_general_dilated_p: eqx_amp.FP8,
+        jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE,
+        jax.lax.conv_general_dilated_p: eqx_amp.fp8.TENSORWISE,
     },
     "fp8, no scaling": {
         jax.lax.dot_general_p: _unscaled_fp8,

@@ -11,7 +11,7 @@ learning-rate schedule, in five ways:
 - `bf16 + Kahan, bf16 moments`: `BiModel(model, policy="p=bf16,c=bf16,o=f32",
     compensation="kahan")`, moments by `low_precision_moments(..., "bfloat16")`;
 - `bf16 + SR, 8-bit moments`: a bfloat16 model, `optax.chain(low_precision_moments(
-    ..., "8bit"), stochastic_rounding(key))` and `eqx_amp.apply_updates`;
+    ..., "8bit"), stochastic_rounding(key))` and `eqx_amp.optim.apply_updates`;
 - `bf16, no compensation` (the ablation): a bfloat16 model trained by plain
     `optax.adamw` (whose moments then are bfloat16 too, rounded to nearest).
 
@@ -69,7 +69,7 @@ def _trainable(model):
 
 def _plain(dtype, wrap=lambda optimizer: optimizer, policy="mixed_bfloat16"):
     """A model stored in `dtype`, an optax optimizer (wrapped by `wrap`), updates
-    applied by `eqx_amp.apply_updates` (rounded once to the weight's dtype)."""
+    applied by `eqx_amp.optim.apply_updates` (rounded once to the weight's dtype)."""
 
     def start(model, optimizer):
         model = eqx_amp.cast_tree(model, dtype)
@@ -77,7 +77,7 @@ def _plain(dtype, wrap=lambda optimizer: optimizer, policy="mixed_bfloat16"):
 
     def step(model, opt_state, grads, optimizer):
         updates, opt_state = wrap(optimizer).update(grads, opt_state, _trainable(model))
-        return eqx_amp.apply_updates(model, updates), opt_state
+        return eqx_amp.optim.apply_updates(model, updates), opt_state
 
     return Variant(start, step, lambda model: model, policy)
 
@@ -101,14 +101,14 @@ VARIANTS = {
     "AMP, f32 master": _bimodel("mixed_bfloat16"),
     "bf16 + Kahan, bf16 moments": _bimodel(
         BF16_MASTER,
-        lambda optimizer: eqx_amp.low_precision_moments(optimizer, "bfloat16"),
+        lambda optimizer: eqx_amp.optim.low_precision_moments(optimizer, "bfloat16"),
         compensation="kahan",
     ),
     "bf16 + SR, 8-bit moments": _plain(
         jnp.bfloat16,
         lambda optimizer: optax.chain(
-            eqx_amp.low_precision_moments(optimizer, "8bit"),
-            eqx_amp.stochastic_rounding(jr.key(0)),
+            eqx_amp.optim.low_precision_moments(optimizer, "8bit"),
+            eqx_amp.optim.stochastic_rounding(jr.key(0)),
         ),
     ),
     "bf16, no compensation": _plain(jnp.bfloat16),

@@ -110,7 +110,7 @@ _NEWER_JAX = textwrap.dedent(
     (value, grads), scale, finite = grad(
         model, x, loss_scale=eqx_amp.DynamicLossScale(jnp.float32(2.0**10)))
     report["loss_scaling"] = bool(finite)
-    optimizer = eqx_amp.master_weights(optax.adam(1e-3))
+    optimizer = eqx_amp.optim.master_weights(optax.adam(1e-3))
     half = eqx_amp.get_policy("bf16").cast_to_compute(
         eqx.filter(model, eqx.is_inexact_array))
     state = optimizer.init(half)

@@ -36,12 +36,21 @@ DOCS_EXTRA = (
 
 
 def public_names() -> list[str]:
-    """Every name `eqx_amp` exports: not private, not a module (`importlib`)."""
-    return sorted(
-        name
-        for name, value in vars(eqx_amp).items()
-        if not name.startswith("_") and not inspect.ismodule(value)
-    )
+    """Every name `eqx_amp` exports, with those of its sub-namespaces as
+    `namespace.name`; not private, not a module (`importlib`)."""
+    names = []
+    for name, value in vars(eqx_amp).items():
+        if name.startswith("_"):
+            continue
+        if inspect.ismodule(value) and value.__name__.startswith("eqx_amp."):
+            names += [
+                f"{name}.{inner}"
+                for inner, v in vars(value).items()
+                if not inner.startswith("_") and not inspect.ismodule(v)
+            ]
+        elif not inspect.ismodule(value):
+            names.append(name)
+    return sorted(names)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +81,7 @@ def test_public_names_are_documented(site):
     anchors = {}
     for page in sorted((site / "api").rglob("*.html")):
         for name in re.findall(
-            r'id="eqx_amp\.([A-Za-z_][A-Za-z0-9_]*)"', page.read_text()
+            r'id="eqx_amp\.([A-Za-z_][A-Za-z0-9_.]*)"', page.read_text()
         ):
             anchors.setdefault(name, page.relative_to(site).as_posix())
     missing = [name for name in public_names() if name not in anchors]

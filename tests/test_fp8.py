@@ -1,4 +1,4 @@
-"""fp8 matmuls with current scaling: `fp8_dot_general` and autocast's `FP8` rules."""
+"""fp8 matmuls with current scaling: `eqx_amp.fp8.dot_general` and autocast's fp8 rules."""
 
 import pathlib
 import re
@@ -51,7 +51,7 @@ def _bound(x, w, u, tiny_x, tiny_w):
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 def test_fp8_product_is_within_the_formats_bound(getkey, scaling, outliers):
     x, w = _operands(getkey(), outliers)
-    y = eqx_amp.fp8_dot_general(x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32)
+    y = eqx_amp.fp8.dot_general(x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32)
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     error = np.abs(np.asarray(y, np.float64) - exact)
     bound = np.asarray(_bound(x, w, U4, TINY4, TINY4), np.float64) * 1.01 + 1e-6
@@ -64,7 +64,7 @@ def test_rowwise_scaling_keeps_outliers_to_their_rows(getkey):
     exact = x @ w
     errors = {}
     for scaling in ("tensorwise", "rowwise"):
-        y = eqx_amp.fp8_dot_general(
+        y = eqx_amp.fp8.dot_general(
             x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32
         )
         clean = np.asarray(jnp.abs(x[:, 3]) < 100)  # the rows without an outlier
@@ -80,7 +80,7 @@ def test_scaling_is_what_keeps_small_values(getkey):
     x, w = _operands(getkey(), outliers=False)
     x, w = 1e-3 * x, 1e-2 * w
     exact = x @ w
-    scaled = eqx_amp.fp8_dot_general(x, w, MATMUL, out_dtype=jnp.float32)
+    scaled = eqx_amp.fp8.dot_general(x, w, MATMUL, out_dtype=jnp.float32)
     unscaled = x.astype(E4M3).astype(jnp.float32) @ w.astype(E4M3).astype(jnp.float32)
     rel = lambda y: float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact))  # noqa: E731
     assert rel(scaled) < 0.08
@@ -93,7 +93,7 @@ def test_fp8_gradients_are_within_bound_and_use_e5m2(getkey, scaling):
     g = jr.normal(getkey(), (32, 48))
 
     def f(x, w):
-        return eqx_amp.fp8_dot_general(
+        return eqx_amp.fp8.dot_general(
             x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32
         )
 
@@ -125,20 +125,20 @@ def test_under_vmap_the_scales_cover_the_whole_batch(getkey):
     is the batched one, and so are its gradients."""
     x, w = _operands(getkey(), outliers=True)
     per_example = (((0,), (0,)), ((), ()))
-    batched = eqx_amp.fp8_dot_general(x, w, MATMUL, out_dtype=jnp.float32)
+    batched = eqx_amp.fp8.dot_general(x, w, MATMUL, out_dtype=jnp.float32)
     vmapped = jax.vmap(
-        lambda xi: eqx_amp.fp8_dot_general(xi, w, per_example, out_dtype=jnp.float32)
+        lambda xi: eqx_amp.fp8.dot_general(xi, w, per_example, out_dtype=jnp.float32)
     )(x)
     np.testing.assert_array_equal(np.asarray(vmapped), np.asarray(batched))
 
     def loss_batched(w):
         return jnp.sum(
-            jnp.sin(eqx_amp.fp8_dot_general(x, w, MATMUL, out_dtype=jnp.float32))
+            jnp.sin(eqx_amp.fp8.dot_general(x, w, MATMUL, out_dtype=jnp.float32))
         )
 
     def loss_vmapped(w):
         y = jax.vmap(
-            lambda xi: eqx_amp.fp8_dot_general(
+            lambda xi: eqx_amp.fp8.dot_general(
                 xi, w, per_example, out_dtype=jnp.float32
             )
         )(x)
@@ -152,15 +152,15 @@ def test_under_vmap_the_scales_cover_the_whole_batch(getkey):
 def test_fp8_dot_general_errors():
     x = jnp.ones((16, 16))
     with pytest.raises(ValueError, match="`scaling` must be 'tensorwise' or 'rowwise'"):
-        eqx_amp.fp8_dot_general(x, x, MATMUL, scaling="blockwise")
+        eqx_amp.fp8.dot_general(x, x, MATMUL, scaling="blockwise")
     with pytest.raises(
         TypeError, match="multiplies floating arrays, but `rhs` is int32"
     ):
-        eqx_amp.fp8_dot_general(x, jnp.ones((16, 16), jnp.int32), MATMUL)
+        eqx_amp.fp8.dot_general(x, jnp.ones((16, 16), jnp.int32), MATMUL)
     with pytest.raises(
         ValueError, match="`out_dtype` must be bfloat16, float16 or wider"
     ):
-        eqx_amp.fp8_dot_general(x, x, MATMUL, out_dtype=jnp.float8_e4m3fn)
+        eqx_amp.fp8.dot_general(x, x, MATMUL, out_dtype=jnp.float8_e4m3fn)
 
 
 #
@@ -185,7 +185,7 @@ def _model(key):
 
 def test_autocast_fp8_rule_runs_matmuls_in_fp8_and_reports_them(getkey):
     model, x = _model(getkey()), jr.normal(getkey(), (32, 32))
-    rules = {jax.lax.dot_general_p: eqx_amp.FP8}
+    rules = {jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE}
     forward = eqx_amp.autocast(
         eqx.filter_vmap(model), policy="mixed_bfloat16", rules=rules
     )
@@ -198,7 +198,7 @@ def test_autocast_fp8_rule_runs_matmuls_in_fp8_and_reports_them(getkey):
     assert report.low_precision_share == 1.0
     assert report.fp8_skipped == ()
     # A scope rule keeps the head in bfloat16.
-    rules = {jax.lax.dot_general_p: eqx_amp.FP8, "head": eqx_amp.LOW}
+    rules = {jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE, "head": eqx_amp.rules.LOW}
     forward = eqx_amp.autocast(
         eqx.filter_vmap(model), policy="mixed_bfloat16", rules=rules
     )
@@ -216,7 +216,7 @@ def test_autocast_fp8_leaves_ineligible_shapes_in_the_compute_dtype_and_says_why
     forward = eqx_amp.autocast(
         eqx.filter_vmap(model),
         policy="mixed_bfloat16",
-        rules={jax.lax.dot_general_p: eqx_amp.FP8},
+        rules={jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE},
     )
     report = eqx_amp.precision_report(forward, x)
     (skip,) = report.fp8_skipped
@@ -228,7 +228,7 @@ def test_autocast_fp8_leaves_ineligible_shapes_in_the_compute_dtype_and_says_why
 
 def test_autocast_fp8_inside_vmap_decides_on_the_batched_shapes(getkey):
     model, x = _model(getkey()), jr.normal(getkey(), (32, 32))
-    rules = {jax.lax.dot_general_p: eqx_amp.FP8}
+    rules = {jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE}
     inside = jax.vmap(eqx_amp.autocast(model, policy="mixed_bfloat16", rules=rules))
     outside = eqx_amp.autocast(
         eqx.filter_vmap(model), policy="mixed_bfloat16", rules=rules
@@ -254,20 +254,24 @@ def test_fp8_rule_errors(getkey):
     forward = eqx_amp.autocast(
         eqx.filter_vmap(model),
         policy="c=float8_e4m3fn",
-        rules={jax.lax.dot_general_p: eqx_amp.FP8},
+        rules={jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE},
     )
     with pytest.raises(
         ValueError, match="the compute dtype must be bfloat16, float16 or wider"
     ):
         forward(x)
-    with pytest.raises(TypeError, match="eqx_amp.FP8 is applied by `autocast` itself"):
-        eqx_amp.FP8(jnp.bfloat16, [jnp.float32], x)
-    assert repr(eqx_amp.FP8_ROWWISE) == "eqx_amp.FP8_ROWWISE"
+    with pytest.raises(
+        TypeError, match="eqx_amp.fp8.TENSORWISE is applied by `autocast` itself"
+    ):
+        eqx_amp.fp8.TENSORWISE(jnp.bfloat16, [jnp.float32], x)
+    assert repr(eqx_amp.fp8.ROWWISE) == "eqx_amp.fp8.ROWWISE"
 
 
 def test_readme_fp8_block_runs(getkey):
     text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text.split("### fp8 matmuls: `eqx_amp.FP8`", 1)[1].split("\n### ", 1)[0]
+    section = text.split("### fp8 matmuls: `eqx_amp.fp8.TENSORWISE`", 1)[1].split(
+        "\n### ", 1
+    )[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
     assert len(blocks) == 2
     namespace = {
@@ -300,7 +304,7 @@ def test_filter_amp_fp8_with_a_module_filter(getkey):
     model, x = _classifier(getkey()), jr.normal(getkey(), (32, 32))
     hidden_flops, head_flops = 2 * 32 * (32 * 64 + 64 * 64), 2 * 32 * 64 * 10
     everything = eqx_amp.filter_amp(
-        eqx.filter_vmap(model), policy="mixed_bfloat16", fp8=eqx_amp.FP8
+        eqx.filter_vmap(model), policy="mixed_bfloat16", fp8=eqx_amp.fp8.TENSORWISE
     )
     report = eqx_amp.precision_report(everything, x)
     assert report.flops_by_dtypes == {
@@ -314,7 +318,7 @@ def test_filter_amp_fp8_with_a_module_filter(getkey):
     wide_only = eqx_amp.filter_amp(
         eqx.filter_vmap(model),
         policy="mixed_bfloat16",
-        fp8=eqx_amp.FP8_ROWWISE,
+        fp8=eqx_amp.fp8.ROWWISE,
         fp8_filter=lambda m: isinstance(m, eqx.nn.Linear) and m.out_features >= 64,
     )
     report = eqx_amp.precision_report(wide_only, x)
@@ -349,13 +353,15 @@ def test_filter_amp_and_bimodel_fp8_train(getkey):
     )
     fp8 = train(
         lambda m: jax.vmap(
-            eqx_amp.filter_amp(m, policy="mixed_bfloat16", fp8=eqx_amp.FP8)
+            eqx_amp.filter_amp(m, policy="mixed_bfloat16", fp8=eqx_amp.fp8.TENSORWISE)
         ),
         model,
     )
     assert fp8[-1] < 0.9 * fp8[0]
     assert abs(fp8[-1] - bf16[-1]) < 0.02 * bf16[0]
-    bimodel = eqx_amp.BiModel(model, policy="mixed_bfloat16", fp8=eqx_amp.FP8)
+    bimodel = eqx_amp.BiModel(
+        model, policy="mixed_bfloat16", fp8=eqx_amp.fp8.TENSORWISE
+    )
     report = eqx_amp.precision_report(jax.vmap(bimodel), x)
     assert FP8_PAIR in report.flops_by_dtypes
     (_, grads), *_ = bimodel.value_and_grad(lambda m, x: loss(jax.vmap(m)(x)))(
@@ -367,7 +373,8 @@ def test_filter_amp_and_bimodel_fp8_train(getkey):
 def test_filter_amp_fp8_errors(getkey):
     model = _classifier(getkey())
     with pytest.raises(
-        TypeError, match="`fp8` must be `eqx_amp.FP8`, `eqx_amp.FP8_ROWWISE` or None"
+        TypeError,
+        match="`fp8` must be `eqx_amp.fp8.TENSORWISE`, `eqx_amp.fp8.ROWWISE` or None",
     ):
         eqx_amp.filter_amp(model, fp8=True)
     with pytest.raises(
@@ -377,18 +384,20 @@ def test_filter_amp_fp8_errors(getkey):
     with pytest.raises(
         TypeError, match="`fp8_filter` must be a callable `module -> bool`"
     ):
-        eqx_amp.BiModel(model, fp8=eqx_amp.FP8, fp8_filter="Linear")
+        eqx_amp.BiModel(model, fp8=eqx_amp.fp8.TENSORWISE, fp8_filter="Linear")
     x = jnp.ones((16, 32))
     reduced = eqx_amp.get_policy("mixed_bfloat16").with_reduce_dtype(jnp.float32)
     with pytest.raises(
         ValueError, match="with a `Policy.reduce_dtype` is not supported yet"
     ):
-        eqx_amp.filter_amp(eqx.filter_vmap(model), policy=reduced, fp8=eqx_amp.FP8)(x)
+        eqx_amp.filter_amp(
+            eqx.filter_vmap(model), policy=reduced, fp8=eqx_amp.fp8.TENSORWISE
+        )(x)
     with pytest.raises(
         ValueError, match="the compute dtype must be bfloat16, float16 or wider"
     ):
         eqx_amp.filter_amp(
-            eqx.filter_vmap(model), policy="c=float8_e5m2", fp8=eqx_amp.FP8
+            eqx.filter_vmap(model), policy="c=float8_e5m2", fp8=eqx_amp.fp8.TENSORWISE
         )(x)
 
 
@@ -406,7 +415,7 @@ x = jax.random.normal(jax.random.key(0), (64, 32)).at[5, 3].set(300.0)
 w = 0.1 * jax.random.normal(jax.random.key(1), (32, 48))
 dims = (((1,), (0,)), ((), ()))
 def loss(x, w):
-    return jnp.sum(jnp.sin(eqx_amp.fp8_dot_general(x, w, dims, out_dtype=jnp.float32)))
+    return jnp.sum(jnp.sin(eqx_amp.fp8.dot_general(x, w, dims, out_dtype=jnp.float32)))
 step = jax.jit(jax.value_and_grad(loss, (0, 1)))
 plain = step(x, w)
 sharded = step(
@@ -450,8 +459,8 @@ class SmallCNN(eqx.Module):
 def test_convolutions_in_fp8_on_every_path(getkey):
     model, x = SmallCNN(getkey()), jr.normal(getkey(), (16, 1, 8, 8))
     rules = {
-        jax.lax.dot_general_p: eqx_amp.FP8,
-        jax.lax.conv_general_dilated_p: eqx_amp.FP8,
+        jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE,
+        jax.lax.conv_general_dilated_p: eqx_amp.fp8.TENSORWISE,
     }
     paths = {
         "autocast": eqx_amp.autocast(
@@ -461,7 +470,7 @@ def test_convolutions_in_fp8_on_every_path(getkey):
             eqx_amp.autocast(model, policy="mixed_bfloat16", rules=rules)
         ),
         "filter_amp": eqx_amp.filter_amp(
-            eqx.filter_vmap(model), policy="mixed_bfloat16", fp8=eqx_amp.FP8
+            eqx.filter_vmap(model), policy="mixed_bfloat16", fp8=eqx_amp.fp8.TENSORWISE
         ),
     }
     exact = jax.vmap(model)(x)
@@ -481,7 +490,7 @@ def test_convolutions_in_fp8_on_every_path(getkey):
 
 def test_fp8_convolution_gradients_match(getkey):
     model, x = SmallCNN(getkey()), jr.normal(getkey(), (16, 1, 8, 8))
-    rules = {jax.lax.conv_general_dilated_p: eqx_amp.FP8}
+    rules = {jax.lax.conv_general_dilated_p: eqx_amp.fp8.TENSORWISE}
 
     def loss(model, wrap):
         return jnp.sum(jnp.sin(wrap(model)(x)))

@@ -1,4 +1,4 @@
-"""Hostile edge values for `fp8_dot_general` and the fp8 rules (`FP8`, `FP8_ROWWISE`,
+"""Hostile edge values for `eqx_amp.fp8.dot_general` and the fp8 rules (`TENSORWISE`, `ROWWISE`,
 `filter_amp(..., fp8=)`, `BiModel(..., fp8=)`), and `precision_report` of fp8 steps.
 
 The matrix, for both scalings, forward and first-order backward, against float64
@@ -44,13 +44,13 @@ E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 FORMAT_E4M3 = (2.0**-4, 448.0, 2.0**-9)
 FORMAT_E5M2 = (2.0**-3, 57344.0, 2.0**-16)
 MAX_SCALE = 2.0**126
-M, K, N = 5, 12, 7  # odd sizes: `fp8_dot_general` itself takes any shape
+M, K, N = 5, 12, 7  # odd sizes: `eqx_amp.fp8.dot_general` itself takes any shape
 
 
 @ft.partial(jax.jit, static_argnames="scaling")
 def _product_and_grads(x, w, g, scaling):
     def product(x, w):
-        return eqx_amp.fp8_dot_general(
+        return eqx_amp.fp8.dot_general(
             x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32
         )
 
@@ -202,7 +202,7 @@ def test_shapes(scaling, shape):
     lhs, rhs = _normal(k1, lhs_shape), _normal(k2, rhs_shape)
 
     def product(lhs, rhs):
-        return eqx_amp.fp8_dot_general(
+        return eqx_amp.fp8.dot_general(
             lhs, rhs, dims, scaling=scaling, out_dtype=jnp.float32
         )
 
@@ -231,12 +231,12 @@ def test_dtypes_refused_and_dtype_words_taken():
         x.astype(jnp.complex64),
     ):
         with pytest.raises(TypeError, match="multiplies floating arrays"):
-            eqx_amp.fp8_dot_general(x, bad, MATMUL)
+            eqx_amp.fp8.dot_general(x, bad, MATMUL)
     for bad in (jnp.int32, jnp.complex64, "int8"):
         with pytest.raises(ValueError, match="`out_dtype` must be"):
-            eqx_amp.fp8_dot_general(x, x, MATMUL, out_dtype=bad)
+            eqx_amp.fp8.dot_general(x, x, MATMUL, out_dtype=bad)
     for word, dtype in (("bf16", jnp.bfloat16), ("f32", jnp.float32)):
-        assert eqx_amp.fp8_dot_general(x, x, MATMUL, out_dtype=word).dtype == dtype
+        assert eqx_amp.fp8.dot_general(x, x, MATMUL, out_dtype=word).dtype == dtype
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)
@@ -245,7 +245,7 @@ def test_second_order_derivatives_are_refused(scaling):
     a, b = _normal(jr.key(4), (4, 8)), _normal(jr.key(5), (8, 4))
 
     def loss(a, b):
-        y = eqx_amp.fp8_dot_general(a, b, MATMUL, scaling=scaling, out_dtype="f32")
+        y = eqx_amp.fp8.dot_general(a, b, MATMUL, scaling=scaling, out_dtype="f32")
         return jnp.sum(y**2)
 
     jax.eval_shape(jax.grad(loss), a, b)  # first order stays
@@ -261,7 +261,7 @@ def test_second_order_through_an_fp8_convolution_is_refused():
     conv = eqx.nn.Conv2d(16, 16, 3, padding=1, key=jr.key(6))
     x = _normal(jr.key(7), (16, 2, 2))
     forward = eqx_amp.autocast(
-        conv, rules={jax.lax.conv_general_dilated_p: eqx_amp.FP8}
+        conv, rules={jax.lax.conv_general_dilated_p: eqx_amp.fp8.TENSORWISE}
     )
 
     def loss(x):
@@ -283,17 +283,17 @@ def test_tiny_inputs_through_the_fp8_rules_stay_finite():
     linear = eqx.nn.Linear(16, 16, use_bias=False, key=jr.key(8))
     x = 1e-37 * _normal(jr.key(9), (16, 16))
     exact = np.asarray(x, np.float64) @ np.asarray(linear.weight, np.float64).T
-    rules = {jax.lax.dot_general_p: eqx_amp.FP8_ROWWISE}
+    rules = {jax.lax.dot_general_p: eqx_amp.fp8.ROWWISE}
     for forward in (
         eqx_amp.autocast(eqx.filter_vmap(linear), rules=rules),
-        eqx_amp.filter_amp(eqx.filter_vmap(linear), fp8=eqx_amp.FP8),
+        eqx_amp.filter_amp(eqx.filter_vmap(linear), fp8=eqx_amp.fp8.TENSORWISE),
     ):
         y = eqx.filter_jit(forward)(x)
         assert jnp.isfinite(y).all() and _rel_error(y, exact) < 0.1
     conv = eqx.nn.Conv2d(16, 16, 1, use_bias=False, key=jr.key(10))
     image = 1e-37 * _normal(jr.key(11), (16, 2, 2))
     conv_fp8 = eqx_amp.autocast(
-        conv, rules={jax.lax.conv_general_dilated_p: eqx_amp.FP8}
+        conv, rules={jax.lax.conv_general_dilated_p: eqx_amp.fp8.TENSORWISE}
     )
     y = eqx.filter_jit(conv_fp8)(image)
     exact = np.einsum(
@@ -310,7 +310,7 @@ def test_vmap_with_a_nan_example_and_jit_retracing():
     per_example = (((0,), (0,)), ((), ()))
     y = jax.jit(
         jax.vmap(
-            lambda xi: eqx_amp.fp8_dot_general(xi, w, per_example, out_dtype="f32")
+            lambda xi: eqx_amp.fp8.dot_general(xi, w, per_example, out_dtype="f32")
         )
     )(x)
     assert not jnp.isfinite(y[1]).any() and jnp.isfinite(y[jnp.array([0, 2, 3])]).all()
@@ -319,7 +319,7 @@ def test_vmap_with_a_nan_example_and_jit_retracing():
     @ft.partial(jax.jit, static_argnames="out_dtype")
     def product(x, w, out_dtype):
         traces.append(out_dtype)
-        return eqx_amp.fp8_dot_general(x, w, MATMUL, out_dtype=out_dtype)
+        return eqx_amp.fp8.dot_general(x, w, MATMUL, out_dtype=out_dtype)
 
     cases = [((3, K), jnp.float32, "f32"), ((6, K), jnp.float32, "f32")]
     cases += [((3, K), jnp.bfloat16, "bf16"), ((3, K), jnp.float32, "f32")]
@@ -371,7 +371,7 @@ def test_report_of_an_fp8_step_counts_the_products_that_run(scaling):
     x, w = _normal(jr.key(16), (32, 64)), _normal(jr.key(17), (64, 48))
 
     def loss(x, w):
-        y = eqx_amp.fp8_dot_general(x, w, MATMUL, scaling=scaling, out_dtype="f32")
+        y = eqx_amp.fp8.dot_general(x, w, MATMUL, scaling=scaling, out_dtype="f32")
         return jnp.sum(y**2)
 
     report = eqx_amp.precision_report(jax.value_and_grad(loss, (0, 1)), x, w)
@@ -428,24 +428,26 @@ def _fp8_flops(fn, *args):
 def test_identity_fp8_filter_selects_that_module():
     model, x = _two_layers(), _normal(jr.key(19), (16, 32))
     is_l2 = lambda m: m is model.l2  # noqa: E731
-    amp = eqx_amp.filter_amp(model, fp8=eqx_amp.FP8, fp8_filter=is_l2)
+    amp = eqx_amp.filter_amp(model, fp8=eqx_amp.fp8.TENSORWISE, fp8_filter=is_l2)
     assert _fp8_flops(jax.vmap(amp), x) == L2_FLOPS
     # Passed as an argument, the wrapper is traced as a pytree: a rebuilt copy.
     assert _fp8_flops(lambda amp, x: jax.vmap(amp)(x), amp, x) == L2_FLOPS
-    bimodel = eqx_amp.BiModel(model, fp8=eqx_amp.FP8, fp8_filter=is_l2)
+    bimodel = eqx_amp.BiModel(model, fp8=eqx_amp.fp8.TENSORWISE, fp8_filter=is_l2)
     assert _fp8_flops(jax.vmap(bimodel), x) == L2_FLOPS
 
     def closing_over(model):
         return lambda x: jax.vmap(model)(x)
 
     # The arrays a function closes over were constants: nothing ran in fp8.
-    closure = eqx_amp.filter_amp(closing_over(model), fp8=eqx_amp.FP8)
+    closure = eqx_amp.filter_amp(closing_over(model), fp8=eqx_amp.fp8.TENSORWISE)
     assert _fp8_flops(closure, x) == 2 * L2_FLOPS
-    closure = eqx_amp.filter_amp(closing_over(model), fp8=eqx_amp.FP8, fp8_filter=is_l2)
+    closure = eqx_amp.filter_amp(
+        closing_over(model), fp8=eqx_amp.fp8.TENSORWISE, fp8_filter=is_l2
+    )
     assert _fp8_flops(closure, x) == L2_FLOPS
     # A module passed to the call, as it is.
     amp_call = eqx_amp.filter_amp(
-        lambda m, x: jax.vmap(m)(x), fp8=eqx_amp.FP8, fp8_filter=is_l2
+        lambda m, x: jax.vmap(m)(x), fp8=eqx_amp.fp8.TENSORWISE, fp8_filter=is_l2
     )
     jaxpr = jax.make_jaxpr(lambda x: amp_call(model, x))(x)
     made = [
@@ -460,11 +462,13 @@ def test_an_fp8_filter_that_selects_nothing_says_so():
     model, x = _two_layers(), _normal(jr.key(20), (16, 32))
     is_l2 = lambda m: m is model.l2  # noqa: E731
     # `eqx.filter_vmap` holds a rebuilt copy of the model: identity cannot hold.
-    amp = eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=eqx_amp.FP8, fp8_filter=is_l2)
+    amp = eqx_amp.filter_amp(
+        eqx.filter_vmap(model), fp8=eqx_amp.fp8.TENSORWISE, fp8_filter=is_l2
+    )
     with pytest.warns(UserWarning, match="`fp8_filter` selected no module"):
         amp(x)
     with pytest.warns(UserWarning, match="`fp8_filter` selects no module"):
-        eqx_amp.BiModel(model, fp8=eqx_amp.FP8, fp8_filter=lambda m: False)
+        eqx_amp.BiModel(model, fp8=eqx_amp.fp8.TENSORWISE, fp8_filter=lambda m: False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        eqx_amp.filter_amp(model, fp8=eqx_amp.FP8, fp8_filter=is_l2)(x[0])
+        eqx_amp.filter_amp(model, fp8=eqx_amp.fp8.TENSORWISE, fp8_filter=is_l2)(x[0])

@@ -46,7 +46,7 @@ def test_readme_float16_loop_is_three_lines_from_float32_and_trains():
     loss16, loss32 = float(results["fp16"]["loss"]), float(results["fp32"]["loss"])
     assert np.isfinite(loss16) and abs(loss16 - loss32) < 0.05 + 0.2 * loss32
     opt_state = results["fp16"]["opt_state"]
-    assert isinstance(opt_state, eqx_amp.LossScalingState)
+    assert isinstance(opt_state, eqx_amp.optim.LossScalingState)
     assert float_dtypes(eqx.filter(results["fp16"]["model"], eqx.is_array)) == {F32}
 
 
@@ -173,12 +173,12 @@ def test_bad_inputs(getkey):
     with pytest.raises(TypeError, match=r"`axis_name` must be the \(hashable\) name"):
         eqx_amp.loss_scaling(optax.adam(1e-3), axis_name=["data"])
     plain_state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
-    with pytest.raises(ValueError, match=r"holds no `eqx_amp.LossScalingState`"):
+    with pytest.raises(ValueError, match=r"holds no `eqx_amp.optim.LossScalingState`"):
         eqx_amp.scaled_value_and_grad(_mse, plain_state)
     optim = eqx_amp.loss_scaling(optax.adam(1e-3))
     params = eqx.filter(model, eqx.is_array)
     two = (optim.init(params), optim.init(params))
-    with pytest.raises(ValueError, match=r"holds 2 `eqx_amp.LossScalingState`s"):
+    with pytest.raises(ValueError, match=r"holds 2 `eqx_amp.optim.LossScalingState`s"):
         eqx_amp.scaled_value_and_grad(_mse, two)
     with pytest.raises(TypeError, match=r"`scaled_value_and_grad` takes a callable"):
         eqx_amp.scaled_value_and_grad(3, optim.init(params))

@@ -249,7 +249,7 @@ def assert_mixed_precision_dtypes(state, compute_dtype):
     assert compute.inp.weight.dtype == compute.out.weight.dtype == compute_dtype
     assert compute.inp.bias.dtype == compute.out.bias.dtype == compute_dtype
     assert compute.norm.weight.dtype == f32
-    if isinstance(state[1], eqx_amp.LossScalingState):
+    if isinstance(state[1], eqx_amp.optim.LossScalingState):
         assert state[1].notfinite_count.dtype == jnp.int32
         assert state[1].total_notfinite.dtype == jnp.int32
         assert state[1].last_finite.dtype == jnp.bool_
@@ -260,7 +260,7 @@ def assert_mixed_precision_dtypes(state, compute_dtype):
 
 def adam_state(state):
     opt_state = state[1]
-    if isinstance(opt_state, eqx_amp.LossScalingState):
+    if isinstance(opt_state, eqx_amp.optim.LossScalingState):
         opt_state = opt_state.inner_state
     return opt_state[0]
 

@@ -25,8 +25,8 @@ F32, BF16, F16 = jnp.dtype("float32"), jnp.dtype("bfloat16"), jnp.dtype("float16
 
 
 def test_default_rules_table():
-    assert eqx_amp.DEFAULT_RULES[lax.dot_general_p] is eqx_amp.LOW
-    assert eqx_amp.DEFAULT_RULES[lax.conv_general_dilated_p] is eqx_amp.LOW
+    assert eqx_amp.rules.DEFAULT_RULES[lax.dot_general_p] is eqx_amp.rules.LOW
+    assert eqx_amp.rules.DEFAULT_RULES[lax.conv_general_dilated_p] is eqx_amp.rules.LOW
     for p in (
         lax.exp_p,
         lax.log_p,
@@ -36,7 +36,7 @@ def test_default_rules_table():
         lax.pow_p,
         lax.erf_inv_p,
     ):
-        assert eqx_amp.DEFAULT_RULES[p] is eqx_amp.FULL, p
+        assert eqx_amp.rules.DEFAULT_RULES[p] is eqx_amp.rules.FULL, p
     for p in (
         lax.add_p,
         lax.mul_p,
@@ -48,15 +48,17 @@ def test_default_rules_table():
         lax.dynamic_update_slice_p,
         lax.scatter_add_p,
     ):
-        assert eqx_amp.DEFAULT_RULES[p] is eqx_amp.PROMOTE, p
-    assert eqx_amp.DEFAULT_RULES[lax.square_p] is eqx_amp.FULL
+        assert eqx_amp.rules.DEFAULT_RULES[p] is eqx_amp.rules.PROMOTE, p
+    assert eqx_amp.rules.DEFAULT_RULES[lax.square_p] is eqx_amp.rules.FULL
     assert (
-        eqx_amp.DEFAULT_RULES[lax.gather_p]
-        is eqx_amp.DEFAULT_RULES[lax.dynamic_slice_p]
+        eqx_amp.rules.DEFAULT_RULES[lax.gather_p]
+        is eqx_amp.rules.DEFAULT_RULES[lax.dynamic_slice_p]
     )
-    assert eqx_amp.DEFAULT_RULES["eqx.nn.LayerNorm"] is eqx_amp.FULL
-    assert eqx_amp.DEFAULT_RULES["eqx_amp.full_precision"] is eqx_amp.KEEP
-    assert repr(eqx_amp.LOW) == "eqx_amp.LOW"
+    assert eqx_amp.rules.DEFAULT_RULES["eqx.nn.LayerNorm"] is eqx_amp.rules.FULL
+    assert (
+        eqx_amp.rules.DEFAULT_RULES["eqx_amp.full_precision"] is eqx_amp.rules.AS_TRACED
+    )
+    assert repr(eqx_amp.rules.LOW) == "eqx_amp.rules.LOW"
 
 
 def test_primitive_rules_and_builtin_values(getkey):
@@ -67,14 +69,16 @@ def test_primitive_rules_and_builtin_values(getkey):
 
     x = jr.normal(getkey(), (4,))
     full_matmul = traced(
-        eqx_amp.autocast(fn, rules={lax.dot_general_p: eqx_amp.FULL}), x
+        eqx_amp.autocast(fn, rules={lax.dot_general_p: eqx_amp.rules.FULL}), x
     )
     assert ops_in(full_matmul, "dot_general") == [[F32, F32]]
-    low_exp = traced(eqx_amp.autocast(fn, rules={lax.exp_p: eqx_amp.LOW}), x)
+    low_exp = traced(eqx_amp.autocast(fn, rules={lax.exp_p: eqx_amp.rules.LOW}), x)
     assert ops_in(low_exp, "exp") == [[BF16]]
-    kept = traced(eqx_amp.autocast(fn, rules={lax.dot_general_p: eqx_amp.KEEP}), x)
+    kept = traced(
+        eqx_amp.autocast(fn, rules={lax.dot_general_p: eqx_amp.rules.AS_TRACED}), x
+    )
     assert ops_in(kept, "dot_general") == [[F32, F32]]
-    promoted = traced(eqx_amp.autocast(fn, rules={lax.exp_p: eqx_amp.PROMOTE}), x)
+    promoted = traced(eqx_amp.autocast(fn, rules={lax.exp_p: eqx_amp.rules.PROMOTE}), x)
     assert ops_in(promoted, "exp") == [[BF16]]
 
 
@@ -104,7 +108,9 @@ def test_scope_rules_innermost_wins_and_reach_sub_jaxprs(getkey):
         return z @ w
 
     x = jr.normal(getkey(), (4,))
-    amp = eqx_amp.autocast(fn, rules={"outer": eqx_amp.FULL, "inner": eqx_amp.LOW})
+    amp = eqx_amp.autocast(
+        fn, rules={"outer": eqx_amp.rules.FULL, "inner": eqx_amp.rules.LOW}
+    )
     dots = [(s, in_dtypes(e)) for e, s in eqns_named(traced(amp, x), "dot_general")]
     assert dots == [
         ("outer", [F32, F32]),
@@ -237,7 +243,10 @@ def test_embedding_lookups_are_activations(getkey):
     ((dynamic_slice, _),) = eqns_named(one_token, "dynamic_slice")
     assert in_dtypes(dynamic_slice)[0] == BF16
 
-    keep = {lax.gather_p: eqx_amp.KEEP, lax.dynamic_slice_p: eqx_amp.KEEP}
+    keep = {
+        lax.gather_p: eqx_amp.rules.AS_TRACED,
+        lax.dynamic_slice_p: eqx_amp.rules.AS_TRACED,
+    }
     kept = traced(eqx_amp.autocast(residual_stream, rules=keep), tokens)
     assert float_adds(kept)[0] == [F32, F32]
 

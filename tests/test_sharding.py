@@ -316,7 +316,7 @@ def test_gather_params_casts_before_the_gather_and_sums_in_the_reduce_dtype(getk
     x = jr.normal(getkey(), (4, 8))
 
     def loss(shards, x):
-        gathered = eqx_amp.gather_params(
+        gathered = eqx_amp.sharding.gather_params(
             shards, "data", specs=specs, policy=BF16_F32_REDUCE
         )
         assert {a.dtype for a in jax.tree_util.tree_leaves(gathered)} == {BF16}
@@ -345,17 +345,17 @@ def test_gather_params_casts_before_the_gather_and_sums_in_the_reduce_dtype(getk
 def test_gather_params_errors(getkey):
     params = eqx.filter(eqx.nn.Linear(8, 4, key=getkey()), eqx.is_array)
     with pytest.raises(ValueError, match="found no array in the tree that varies over"):
-        eqx_amp.gather_params(params, "data")
+        eqx_amp.sharding.gather_params(params, "data")
     with pytest.raises(
         NameError, match=r"`axis_name='data'` is not the name of an axis"
     ):
-        eqx_amp.gather_params(params, "data", specs=P("data"))
+        eqx_amp.sharding.gather_params(params, "data", specs=P("data"))
     with pytest.raises(TypeError, match="`axis_name` must be the \\(hashable\\) name"):
-        eqx_amp.gather_params(params, ["data"])
+        eqx_amp.sharding.gather_params(params, ["data"])
     with pytest.raises(ValueError, match="`specs` must be a pytree prefix of `shards`"):
-        eqx_amp.gather_params(params, "data", specs=[P("data"), P(), P()])
+        eqx_amp.sharding.gather_params(params, "data", specs=[P("data"), P(), P()])
     with pytest.raises(ValueError, match="names 'data' at dimension 1, but the array"):
-        eqx_amp.gather_params(params, "data", specs=P(None, "data"))
+        eqx_amp.sharding.gather_params(params, "data", specs=P(None, "data"))
 
 
 def test_average_refuses_sharded_parameters_and_can_be_turned_off(getkey):
@@ -365,7 +365,9 @@ def test_average_refuses_sharded_parameters_and_can_be_turned_off(getkey):
     x = jr.normal(getkey(), (4, 8))
 
     def loss(shards, x):
-        model = eqx.combine(eqx_amp.gather_params(shards, "data", specs=specs), static)
+        model = eqx.combine(
+            eqx_amp.sharding.gather_params(shards, "data", specs=specs), static
+        )
         out = jax.vmap(eqx_amp.filter_amp(model))(x)
         return jax.lax.pmean(jnp.sum(out**2), "data")
 

@@ -110,7 +110,7 @@ def _vmapped_fsdp(policy, average=False):
     specs = _shards_and_specs()[1]
 
     def local_loss(shards, x):
-        tree = eqx_amp.gather_params(shards, "d", specs=specs, policy=policy)
+        tree = eqx_amp.sharding.gather_params(shards, "d", specs=specs, policy=policy)
         return jax.lax.pmean(_model_loss(tree, x), "d")
 
     def member(shards, x):
@@ -217,7 +217,7 @@ def test_averaging_gathered_shards_is_refused_under_a_named_vmap():
     with pytest.raises(
         ValueError,
         match=r"the loss gathers parameters sharded over 'd' with "
-        r"`eqx_amp.gather_params`.*Pass `average=False`",
+        r"`eqx_amp.sharding.gather_params`.*Pass `average=False`",
     ):
         step(_stack(tree, specs), _xs())
 
@@ -226,7 +226,7 @@ def test_gather_params_without_specs_says_which_modes_type_nothing_as_varying():
     tree, specs = _shards_and_specs()
 
     def member(shards):
-        return eqx_amp.gather_params(shards, "d")
+        return eqx_amp.sharding.gather_params(shards, "d")
 
     with pytest.raises(
         ValueError,
@@ -299,7 +299,7 @@ def rel(grads, ref):
 
 def fsdp_body(policy, average=False):
     def local_loss(shards, x):
-        gathered = eqx_amp.gather_params(shards, "d", specs=specs, policy=policy)
+        gathered = eqx_amp.sharding.gather_params(shards, "d", specs=specs, policy=policy)
         m = eqx_amp.filter_amp(eqx.filter_vmap(eqx.combine(gathered, static)), policy=policy)
         return jax.lax.pmean(jnp.mean(m(x) ** 2), "d")
 

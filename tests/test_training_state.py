@@ -91,13 +91,13 @@ def test_stochastic_rounding_is_unbiased_and_exact_on_bfloat16_values():
 def test_kahan_summation_keeps_updates_plain_bfloat16_loses():
     weight = jnp.full((4,), 1.0, BF16)
     tiny = jnp.full((4,), 1e-4, jnp.float32)  # below half an ulp (2^-8) of 1.0
-    optimizer = eqx_amp.kahan_summation()
+    optimizer = eqx_amp.optim.kahan_summation()
     state = optimizer.init(weight)
     plain = compensated = weight
     for _ in range(1000):
-        plain = eqx_amp.apply_updates(plain, tiny)
+        plain = eqx_amp.optim.apply_updates(plain, tiny)
         updates, state = optimizer.update(tiny, state, compensated)
-        compensated = eqx_amp.apply_updates(compensated, updates)
+        compensated = eqx_amp.optim.apply_updates(compensated, updates)
     assert compensated.dtype == BF16 and state.compensation.dtype == BF16
     np.testing.assert_array_equal(np.asarray(plain, np.float32), 1.0)
     # The float32 sum is 1.1; the weight is within one bfloat16 ulp (2^-7) of it.
@@ -114,12 +114,12 @@ def test_kahan_summation_keeps_updates_plain_bfloat16_loses():
 def test_stochastic_rounding_keeps_updates_in_expectation():
     weight = jnp.full((4096,), 1.0, BF16)
     tiny = jnp.full((4096,), 1e-4, jnp.float32)
-    optimizer = eqx_amp.stochastic_rounding(jr.key(0))
+    optimizer = eqx_amp.optim.stochastic_rounding(jr.key(0))
     state = optimizer.init(weight)
     step = jax.jit(lambda w, s: optimizer.update(tiny, s, w))
     for _ in range(500):
         updates, state = step(weight, state)
-        weight = eqx_amp.apply_updates(weight, updates)
+        weight = eqx_amp.optim.apply_updates(weight, updates)
     assert weight.dtype == BF16
     assert abs(float(jnp.mean(weight.astype(jnp.float32))) - 1.05) < 2e-3
 
@@ -129,13 +129,13 @@ def test_updates_land_exactly_on_the_rounded_weights():
     weight = jr.normal(key, (1000,)).astype(BF16)
     update = 1e-3 * jr.normal(jr.fold_in(key, 1), (1000,))
     for optimizer in (
-        eqx_amp.kahan_summation(),
-        eqx_amp.stochastic_rounding(jr.key(0)),
+        eqx_amp.optim.kahan_summation(),
+        eqx_amp.optim.stochastic_rounding(jr.key(0)),
     ):
         state = optimizer.init(weight)
         out, _ = optimizer.update(update, state, weight)
         assert out.dtype == jnp.float32
-        new = eqx_amp.apply_updates(weight, out)
+        new = eqx_amp.optim.apply_updates(weight, out)
         # `out` is `new - weight` exactly, for optax's apply too.
         np.testing.assert_array_equal(
             np.asarray(new.astype(jnp.float32) - weight.astype(jnp.float32)),
@@ -153,7 +153,7 @@ def test_apply_updates_keeps_dtypes_and_non_arrays():
     updates = jtu.tree_map(
         lambda p: jnp.full(p.shape, 0.5, jnp.float32), _params(model)
     )
-    new = eqx_amp.apply_updates(model, updates)
+    new = eqx_amp.optim.apply_updates(model, updates)
     assert jtu.tree_structure(new) == jtu.tree_structure(model)
     for old, leaf in zip(
         jtu.tree_leaves(_params(model)), jtu.tree_leaves(_params(new))
@@ -164,7 +164,7 @@ def test_apply_updates_keeps_dtypes_and_non_arrays():
     assert new.activation is model.activation
     # `None` for a whole submodule leaves it as it is.
     partial = eqx.tree_at(lambda m: m.layers[0], updates, None)
-    kept = eqx_amp.apply_updates(model, partial)
+    kept = eqx_amp.optim.apply_updates(model, partial)
     assert kept.layers[0] is model.layers[0]
 
 
@@ -174,19 +174,19 @@ def test_apply_updates_bad_input():
     with pytest.raises(
         ValueError, match=r"^`updates` must have the structure of `params`"
     ):
-        eqx_amp.apply_updates(model, (updates,))
+        eqx_amp.optim.apply_updates(model, (updates,))
     wrong = eqx.tree_at(lambda m: m.layers[0].bias, updates, jnp.zeros(3))
     with pytest.raises(
         ValueError,
         match=r"it has an array of dtype float32 and shape \(3,\) where `params` has "
         r"an array of dtype bfloat16 and shape \(32,\)",
     ):
-        eqx_amp.apply_updates(model, wrong)
+        eqx_amp.optim.apply_updates(model, wrong)
     counter = (jnp.zeros((), jnp.int32), jnp.ones(2, BF16))
     with pytest.raises(
         ValueError, match=r"is not a floating array and is never updated"
     ):
-        eqx_amp.apply_updates(counter, (jnp.ones((), jnp.float32), None))
+        eqx_amp.optim.apply_updates(counter, (jnp.ones((), jnp.float32), None))
 
 
 #
@@ -196,8 +196,8 @@ def test_apply_updates_bad_input():
 
 def test_compensation_refuses_float16_and_integer_params():
     for optimizer in (
-        eqx_amp.kahan_summation(),
-        eqx_amp.stochastic_rounding(jr.key(0)),
+        eqx_amp.optim.kahan_summation(),
+        eqx_amp.optim.stochastic_rounding(jr.key(0)),
     ):
         with pytest.raises(ValueError, match=r"need bfloat16 weights .* float16 has"):
             optimizer.init({"w": jnp.ones(3, jnp.float16)})
@@ -219,7 +219,7 @@ def test_kahan_summation_notices_weights_that_changed_dtype():
     # `eqx.apply_updates` adds a float32 update to a bfloat16 weight in float32 and
     # keeps the float32 sum: the buffer would then silently stop mattering.
     params = {"w": jnp.ones(3, BF16)}
-    optimizer = eqx_amp.kahan_summation()
+    optimizer = eqx_amp.optim.kahan_summation()
     state = optimizer.init(params)
     updates, state = optimizer.update({"w": jnp.full(3, 1e-3)}, state, params)
     with jax.numpy_dtype_promotion("standard"):
@@ -239,36 +239,36 @@ def test_compensated_updates_take_none_for_a_whole_submodule():
     updates = jtu.tree_map(lambda p: jnp.full(p.shape, 1e-3), params)
     updates = eqx.tree_at(lambda m: m.layers[0], updates, None)
     for optimizer in (
-        eqx_amp.kahan_summation(),
-        eqx_amp.stochastic_rounding(jr.key(0)),
+        eqx_amp.optim.kahan_summation(),
+        eqx_amp.optim.stochastic_rounding(jr.key(0)),
     ):
         out, _ = optimizer.update(updates, optimizer.init(params), params)
-        new = eqx_amp.apply_updates(model, out)
+        new = eqx_amp.optim.apply_updates(model, out)
         assert new.layers[0] is model.layers[0]
         assert new.layers[1].weight.dtype == BF16
 
 
 def test_stochastic_rounding_needs_a_key():
     with pytest.raises(TypeError, match=r"needs a PRNG key .* but got int 0"):
-        eqx_amp.stochastic_rounding(0)  # type: ignore[arg-type]
+        eqx_amp.optim.stochastic_rounding(0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"needs a PRNG key .* but got NoneType"):
-        eqx_amp.stochastic_rounding(None)  # type: ignore[arg-type]
-    optimizer = eqx_amp.stochastic_rounding(jr.key(0))
-    keyless = eqx_amp.StochasticRoundingState(None)  # type: ignore[arg-type]
+        eqx_amp.optim.stochastic_rounding(None)  # type: ignore[arg-type]
+    optimizer = eqx_amp.optim.stochastic_rounding(jr.key(0))
+    keyless = eqx_amp.optim.StochasticRoundingState(None)  # type: ignore[arg-type]
     with pytest.raises(
         TypeError,
         match=r"The `StochasticRoundingState` holds no PRNG key .* but NoneType None",
     ):
         optimizer.update({"w": jnp.ones(3)}, keyless, {"w": jnp.ones(3, BF16)})
     # Old-style raw keys are keys too, and keys of other implementations work.
-    optimizer = eqx_amp.stochastic_rounding(jr.PRNGKey(0))
+    optimizer = eqx_amp.optim.stochastic_rounding(jr.PRNGKey(0))
     assert optimizer.init({"w": jnp.ones(3, BF16)}).key.dtype == jnp.uint32
     with pytest.raises(TypeError, match=r"needs a PRNG key"):
-        eqx_amp.stochastic_rounding(jnp.zeros(3, jnp.uint32))
+        eqx_amp.optim.stochastic_rounding(jnp.zeros(3, jnp.uint32))
     params = {"w": jnp.ones(3, BF16)}
     for make in (
-        lambda k: eqx_amp.stochastic_rounding(k),
-        lambda k: eqx_amp.low_precision_moments(optax.adam(1e-3), key=k),
+        lambda k: eqx_amp.optim.stochastic_rounding(k),
+        lambda k: eqx_amp.optim.low_precision_moments(optax.adam(1e-3), key=k),
     ):
         optimizer = make(jr.key(0, impl="rbg"))
         state = optimizer.init(params)
@@ -287,13 +287,13 @@ def test_float32_params_pass_through():
     params = {"w": jnp.ones(3), "half": jnp.ones(3, BF16)}
     updates = {"w": jnp.full(3, 1e-9), "half": jnp.full(3, 1e-9)}
     for optimizer in (
-        eqx_amp.kahan_summation(),
-        eqx_amp.stochastic_rounding(jr.key(0)),
+        eqx_amp.optim.kahan_summation(),
+        eqx_amp.optim.stochastic_rounding(jr.key(0)),
     ):
         state = optimizer.init(params)
         out, _ = optimizer.update(updates, state, params)
         assert out["w"] is updates["w"]
-    assert eqx_amp.kahan_summation().init(params).compensation["w"] is None
+    assert eqx_amp.optim.kahan_summation().init(params).compensation["w"] is None
 
 
 #
@@ -304,7 +304,7 @@ def test_float32_params_pass_through():
 def test_master_weights_is_float32_training_of_a_bfloat16_model():
     model = _mlp(jr.key(0), BF16)
     x, y = _data(jr.key(1))
-    optimizer = eqx_amp.master_weights(optax.adam(1e-2))
+    optimizer = eqx_amp.optim.master_weights(optax.adam(1e-2))
     state = optimizer.init(model)
     master_leaves = [m for m in jtu.tree_leaves(state.master)]
     assert master_leaves and all(m.dtype == jnp.float32 for m in master_leaves)
@@ -340,7 +340,7 @@ def test_master_weights_is_float32_training_of_a_bfloat16_model():
 def test_master_weights_with_loss_scaling_skips_and_multisteps():
     model = _mlp(jr.key(0), jnp.float16)
     x, y = _data(jr.key(1))
-    optimizer = eqx_amp.master_weights(
+    optimizer = eqx_amp.optim.master_weights(
         eqx_amp.loss_scaling(optax.MultiSteps(optax.adam(1e-2), 2))
     )
     state = optimizer.init(model)
@@ -375,11 +375,11 @@ def test_master_weights_with_loss_scaling_skips_and_multisteps():
 
 def test_master_weights_bad_input():
     with pytest.raises(TypeError, match=r"`master_weights` wraps an optax optimizer"):
-        eqx_amp.master_weights("adam")  # type: ignore[arg-type]
+        eqx_amp.optim.master_weights("adam")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"dtype"):
-        eqx_amp.master_weights(optax.adam(1e-3), jnp.int32)
+        eqx_amp.optim.master_weights(optax.adam(1e-3), jnp.int32)
     model = _mlp(jr.key(0), BF16)
-    optimizer = eqx_amp.master_weights(optax.adam(1e-3))
+    optimizer = eqx_amp.optim.master_weights(optax.adam(1e-3))
     state = optimizer.init(model)
     with pytest.raises(
         ValueError, match=r"^`grads` must have the structure of `params`"
@@ -560,14 +560,14 @@ def test_low_precision_moments_train_like_float32_moments(storage):
     model = _mlp(jr.key(0))
     x, y = _data(jr.key(1))
     reference = optax.adam(3e-3)
-    compressed = eqx_amp.low_precision_moments(optax.adam(3e-3), storage)
+    compressed = eqx_amp.optim.low_precision_moments(optax.adam(3e-3), storage)
     states = [o.init(_params(model)) for o in (reference, compressed)]
     moments = [
         leaf
         for leaf in jtu.tree_leaves(
-            states[1], is_leaf=lambda n: isinstance(n, eqx_amp.QuantizedMoment)
+            states[1], is_leaf=lambda n: isinstance(n, eqx_amp.optim.QuantizedMoment)
         )
-        if isinstance(leaf, eqx_amp.QuantizedMoment)
+        if isinstance(leaf, eqx_amp.optim.QuantizedMoment)
     ]
     assert len(moments) == 2 * len(jtu.tree_leaves(_params(model)))
     expected = BF16 if storage == "bfloat16" else jnp.uint8
@@ -607,8 +607,10 @@ def test_low_precision_moments_bytes_per_weight():
         return sum(x.nbytes for x in jtu.tree_leaves(state) if eqx.is_array(x))
 
     plain = nbytes(optax.adamw(1e-3).init(params))
-    bf16 = nbytes(eqx_amp.low_precision_moments(optax.adamw(1e-3)).init(params))
-    int8 = nbytes(eqx_amp.low_precision_moments(optax.adamw(1e-3), "8bit").init(params))
+    bf16 = nbytes(eqx_amp.optim.low_precision_moments(optax.adamw(1e-3)).init(params))
+    int8 = nbytes(
+        eqx_amp.optim.low_precision_moments(optax.adamw(1e-3), "8bit").init(params)
+    )
     assert plain / weights == pytest.approx(8, abs=0.01)
     assert bf16 / weights == pytest.approx(4, abs=0.01)
     assert int8 / weights == pytest.approx(2 + 8 / 256, abs=0.01)
@@ -616,14 +618,14 @@ def test_low_precision_moments_bytes_per_weight():
 
 def test_low_precision_moments_leave_kahan_buffers_and_scalars_alone():
     params = {"w": jnp.ones((4, 8), BF16)}
-    optimizer = eqx_amp.low_precision_moments(
-        optax.chain(optax.adam(1e-3), eqx_amp.kahan_summation()), "8bit"
+    optimizer = eqx_amp.optim.low_precision_moments(
+        optax.chain(optax.adam(1e-3), eqx_amp.optim.kahan_summation()), "8bit"
     )
     state = optimizer.init(params)
     adam_state, kahan_state = state.inner_state
     assert kahan_state.compensation["w"].dtype == BF16
     assert adam_state[0].count.dtype == jnp.int32
-    assert isinstance(adam_state[0].mu["w"], eqx_amp.QuantizedMoment)
+    assert isinstance(adam_state[0].mu["w"], eqx_amp.optim.QuantizedMoment)
 
 
 def test_only_the_optimizers_moments_are_compressed():
@@ -632,7 +634,7 @@ def test_only_the_optimizers_moments_are_compressed():
         nu: jax.Array  # a model field with a moment's name
 
     params = StudentT(jnp.zeros(4), jnp.ones(4))
-    optimizer = eqx_amp.low_precision_moments(optax.adam(1e-1), "8bit")
+    optimizer = eqx_amp.optim.low_precision_moments(optax.adam(1e-1), "8bit")
     state = optimizer.init(params)
     adam = state.inner_state[0]
     # Decided by the optimizer's field (`mu`), not the model's (`nu`).
@@ -644,15 +646,15 @@ def test_only_the_optimizers_moments_are_compressed():
     np.testing.assert_allclose(np.asarray(updates.nu), 0.1, rtol=0.05)
 
     # Accumulated gradients, slow weights: per-weight state that is not a moment.
-    accumulating = eqx_amp.low_precision_moments(
+    accumulating = eqx_amp.optim.low_precision_moments(
         optax.MultiSteps(optax.adam(1e-3), 4), "8bit"
     )
     state = accumulating.init({"w": jnp.ones((4, 8))})
     assert state.inner_state.acc_grads["w"].dtype == jnp.float32
     assert isinstance(
-        state.inner_state.inner_opt_state[0].mu["w"], eqx_amp.QuantizedMoment
+        state.inner_state.inner_opt_state[0].mu["w"], eqx_amp.optim.QuantizedMoment
     )
-    schedule_free = eqx_amp.low_precision_moments(
+    schedule_free = eqx_amp.optim.low_precision_moments(
         optax.contrib.schedule_free_adamw(1e-3), "8bit"
     )
     state = schedule_free.init({"w": jnp.ones((4, 8))})
@@ -660,16 +662,16 @@ def test_only_the_optimizers_moments_are_compressed():
     moments = [
         leaf
         for leaf in jtu.tree_leaves(
-            state, is_leaf=lambda n: isinstance(n, eqx_amp.QuantizedMoment)
+            state, is_leaf=lambda n: isinstance(n, eqx_amp.optim.QuantizedMoment)
         )
-        if isinstance(leaf, eqx_amp.QuantizedMoment)
+        if isinstance(leaf, eqx_amp.optim.QuantizedMoment)
     ]
     assert len(moments) == 1  # AdamW's `nu` (schedule-free keeps no `mu`)
 
 
 def test_master_weights_must_be_the_outermost_wrapper():
-    master = eqx_amp.master_weights(optax.adam(1e-3))
-    for wrap in (eqx_amp.loss_scaling, eqx_amp.low_precision_moments):
+    master = eqx_amp.optim.master_weights(optax.adam(1e-3))
+    for wrap in (eqx_amp.loss_scaling, eqx_amp.optim.low_precision_moments):
         with pytest.raises(
             TypeError,
             match=r"`eqx_amp\.master_weights\(\.\.\.\)` returns the new weights "
@@ -682,8 +684,8 @@ def test_low_precision_moments_inside_and_outside_loss_scaling():
     params = {"w": jnp.ones((4, 8))}
     grads = {"w": jnp.full((4, 8), 0.5)}
     for optimizer in (
-        eqx_amp.loss_scaling(eqx_amp.low_precision_moments(optax.adam(1e-3))),
-        eqx_amp.low_precision_moments(
+        eqx_amp.loss_scaling(eqx_amp.optim.low_precision_moments(optax.adam(1e-3))),
+        eqx_amp.optim.low_precision_moments(
             eqx_amp.loss_scaling(optax.adam(1e-3, mu_dtype=BF16))
         ),
     ):
@@ -697,7 +699,8 @@ def test_composes_with_apply_if_finite_on_float32_gradients():
     grads = {"w": jnp.full((4, 8), 0.5)}  # float32, as eqx_amp's gradients are
     optimizer = optax.apply_if_finite(
         optax.chain(
-            eqx_amp.low_precision_moments(optax.adam(1e-3)), eqx_amp.kahan_summation()
+            eqx_amp.optim.low_precision_moments(optax.adam(1e-3)),
+            eqx_amp.optim.kahan_summation(),
         ),
         5,
     )
@@ -735,20 +738,20 @@ def test_eight_bit_blocks_follow_the_last_axis():
 
 def test_low_precision_moments_bad_input():
     with pytest.raises(TypeError, match=r"`low_precision_moments` wraps an optax"):
-        eqx_amp.low_precision_moments(1e-3)  # type: ignore[arg-type]
+        eqx_amp.optim.low_precision_moments(1e-3)  # type: ignore[arg-type]
     with pytest.raises(
         ValueError,
         match=r"`storage` must be one of 'bfloat16', '8bit', but got 'float16'\. "
         r"float16 cannot hold",
     ):
-        eqx_amp.low_precision_moments(optax.adam(1e-3), "float16")  # type: ignore[arg-type]
+        eqx_amp.optim.low_precision_moments(optax.adam(1e-3), "float16")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"but got '4bit'\.$"):
-        eqx_amp.low_precision_moments(optax.adam(1e-3), "4bit")  # type: ignore[arg-type]
+        eqx_amp.optim.low_precision_moments(optax.adam(1e-3), "4bit")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"`block_size` must be a positive integer"):
-        eqx_amp.low_precision_moments(optax.adam(1e-3), "8bit", block_size=0)
+        eqx_amp.optim.low_precision_moments(optax.adam(1e-3), "8bit", block_size=0)
     with pytest.raises(TypeError, match=r"needs a PRNG key"):
-        eqx_amp.low_precision_moments(optax.adam(1e-3), key=0)  # type: ignore[arg-type]
-    optimizer = eqx_amp.low_precision_moments(optax.adam(1e-3))
+        eqx_amp.optim.low_precision_moments(optax.adam(1e-3), key=0)  # type: ignore[arg-type]
+    optimizer = eqx_amp.optim.low_precision_moments(optax.adam(1e-3))
     with pytest.raises(TypeError, match=r"must be the `LowPrecisionMomentsState`"):
         optimizer.update({"w": jnp.ones(3)}, optax.adam(1e-3).init({"w": jnp.ones(3)}))
 
@@ -769,12 +772,12 @@ def _recipes():
 
         def step(model, opt_state, grads):
             updates, opt_state = wrap.update(grads, opt_state, _params(model))
-            return eqx_amp.apply_updates(model, updates), opt_state
+            return eqx_amp.optim.apply_updates(model, updates), opt_state
 
         return start, step
 
     def master():
-        optimizer = eqx_amp.master_weights(optax.adam(1e-2))
+        optimizer = eqx_amp.optim.master_weights(optax.adam(1e-2))
 
         def start(model):
             model = eqx_amp.cast_tree(model, BF16)
@@ -786,7 +789,7 @@ def _recipes():
         return start, step
 
     def bimodel(compensation, storage):
-        optimizer = eqx_amp.low_precision_moments(optax.adam(1e-2), storage)
+        optimizer = eqx_amp.optim.low_precision_moments(optax.adam(1e-2), storage)
 
         def start(model):
             bm = eqx_amp.BiModel(
@@ -807,14 +810,14 @@ def _recipes():
         "master_weights": master(),
         "kahan + bf16 moments": plain(
             optax.chain(
-                eqx_amp.low_precision_moments(optax.adam(1e-2)),
-                eqx_amp.kahan_summation(),
+                eqx_amp.optim.low_precision_moments(optax.adam(1e-2)),
+                eqx_amp.optim.kahan_summation(),
             )
         ),
         "sr + 8-bit moments": plain(
             optax.chain(
-                eqx_amp.low_precision_moments(optax.adam(1e-2), "8bit", key=key),
-                eqx_amp.stochastic_rounding(key),
+                eqx_amp.optim.low_precision_moments(optax.adam(1e-2), "8bit", key=key),
+                eqx_amp.optim.stochastic_rounding(key),
             )
         ),
         "bimodel kahan": bimodel("kahan", "bfloat16"),
@@ -913,7 +916,7 @@ _LAST_AXIS = """
 # A weight split along its last axis: 8-bit blocks run along that axis, so the
 # moments are encoded where they live, with no gather.
 w = jax.device_put(jnp.ones((16, 4096)), NamedSharding(mesh, P(None, "data")))
-optimizer = eqx_amp.low_precision_moments(optax.adam(1e-3), "8bit")
+optimizer = eqx_amp.optim.low_precision_moments(optax.adam(1e-3), "8bit")
 state = optimizer.init({"w": w})
 update = jax.jit(optimizer.update)
 hlo = update.lower({"w": w}, state).compile().as_text()

@@ -42,7 +42,7 @@ BF16_MAX = float(jnp.finfo(BF16).max)
 
 
 def _is_moment(node):
-    return isinstance(node, eqx_amp.QuantizedMoment)
+    return isinstance(node, eqx_amp.optim.QuantizedMoment)
 
 
 def _moments(state):
@@ -89,7 +89,7 @@ _UPDATES = [1e-3, 0.0, 2**-10, -(2**-12), 1.0, -1e38, *_TINY, 0.0, 1e37]
 def _compensated_update(name):
     """`params + updates` as each of the compensated paths computes it."""
     if name == "apply_updates":
-        return lambda p, u: eqx_amp.apply_updates(p, u)
+        return lambda p, u: eqx_amp.optim.apply_updates(p, u)
 
     def through(optimizer):
         def add(p, u):
@@ -98,16 +98,16 @@ def _compensated_update(name):
                 new, _ = optimizer.update(u, state, p)
                 return new
             updates, _ = optimizer.update(u, state, p)
-            return eqx_amp.apply_updates(p, updates)
+            return eqx_amp.optim.apply_updates(p, updates)
 
         return add
 
     if name == "master_weights":
-        return through(eqx_amp.master_weights(optax.sgd(-1.0)))
+        return through(eqx_amp.optim.master_weights(optax.sgd(-1.0)))
     compensation = (
-        eqx_amp.kahan_summation()
+        eqx_amp.optim.kahan_summation()
         if name == "kahan_summation"
-        else eqx_amp.stochastic_rounding(jr.key(0))
+        else eqx_amp.optim.stochastic_rounding(jr.key(0))
     )
     return through(compensation)
 
@@ -164,15 +164,15 @@ def test_compensated_paths_keep_non_floating_leaves():
     params = eqx.filter(model, eqx.is_inexact_array)
     grads = jtu.tree_map(lambda p: jnp.full(p.shape, 1e-3, jnp.float32), params)
     for optimizer in (
-        optax.chain(optax.sgd(1.0), eqx_amp.kahan_summation()),
-        optax.chain(optax.sgd(1.0), eqx_amp.stochastic_rounding(jr.key(0))),
+        optax.chain(optax.sgd(1.0), eqx_amp.optim.kahan_summation()),
+        optax.chain(optax.sgd(1.0), eqx_amp.optim.stochastic_rounding(jr.key(0))),
     ):
         updates, _ = optimizer.update(grads, optimizer.init(params), params)
-        new = eqx_amp.apply_updates(model, updates)
+        new = eqx_amp.optim.apply_updates(model, updates)
         assert new["name"] == "linear" and new["none"] is None
         assert new["key"] is model["key"] and new["count"] is model["count"]
         assert new["empty"].shape == (0, 256) and new["scalar"].dtype == BF16
-    master = eqx_amp.master_weights(optax.sgd(1.0))
+    master = eqx_amp.optim.master_weights(optax.sgd(1.0))
     new, state = master.update(grads, master.init(model), model)
     assert new["count"] is model["count"] and new["key"] is model["key"]
     assert state.master["empty"].shape == (0, 256)
@@ -209,7 +209,7 @@ def test_low_precision_moments_take_every_shape_adam_takes(storage):
     params["none"] = None
     grads = [_grads_like(params, jr.key(i)) for i in range(3)]
     reference, _, _ = _run(optax.adam(1e-3), params, grads)
-    compressed = eqx_amp.low_precision_moments(optax.adam(1e-3), storage)
+    compressed = eqx_amp.optim.low_precision_moments(optax.adam(1e-3), storage)
     updates, state, traces = _run(compressed, params, grads)
     assert traces == 1
     # Every non-scalar leaf's two moments are compressed (empty ones too).
@@ -231,7 +231,7 @@ def test_eight_bit_block_with_a_huge_gradient_keeps_the_others():
     grads[0]["w"] = grads[0]["w"].at[0, 3].set(1e20).at[1, 5].set(-1e19)
     reference, _, _ = _run(optax.adam(1e-3), params, grads)
     updates, state, _ = _run(
-        eqx_amp.low_precision_moments(optax.adam(1e-3), "8bit"), params, grads
+        eqx_amp.optim.low_precision_moments(optax.adam(1e-3), "8bit"), params, grads
     )
     nu = state.inner_state[0].nu["w"].decode()
     assert float(nu[0, 3]) == np.inf and bool(jnp.all(jnp.isfinite(nu.at[0, 3].set(0))))
@@ -320,7 +320,7 @@ def test_low_precision_moments_through_optax_combinators(name):
     reference, _, _ = _run(optimizer, params, grads)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        compressed = eqx_amp.low_precision_moments(optimizer, "8bit")
+        compressed = eqx_amp.optim.low_precision_moments(optimizer, "8bit")
         updates, state, traces = _run(compressed, params, grads)
     assert len(_moments(state)) == expected and traces == 1
     for got, want in zip(jtu.tree_leaves(updates), jtu.tree_leaves(reference)):
@@ -333,13 +333,13 @@ def test_low_precision_moments_that_find_no_moment_say_so():
         optax.sgd(1e-2),
         optax.masked(optax.adam(1e-3), {"w": False}),
     ):
-        wrapped = eqx_amp.low_precision_moments(optimizer, "8bit")
+        wrapped = eqx_amp.optim.low_precision_moments(optimizer, "8bit")
         with pytest.warns(UserWarning, match=r"found no moment to compress"):
             wrapped.init(params)
     # Scalars only: nothing to compress, nothing to say.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        eqx_amp.low_precision_moments(optax.adam(1e-3)).init({"s": jnp.zeros(())})
+        eqx_amp.optim.low_precision_moments(optax.adam(1e-3)).init({"s": jnp.zeros(())})
 
 
 #
@@ -348,8 +348,8 @@ def test_low_precision_moments_that_find_no_moment_say_so():
 
 
 _KEY_ARGUMENTS = {
-    "stochastic_rounding": lambda key: eqx_amp.stochastic_rounding(key),
-    "low_precision_moments": lambda key: eqx_amp.low_precision_moments(
+    "stochastic_rounding": lambda key: eqx_amp.optim.stochastic_rounding(key),
+    "low_precision_moments": lambda key: eqx_amp.optim.low_precision_moments(
         optax.adam(1e-3), key=key
     ),
     'compensation="stochastic"': lambda key: eqx_amp.BiModel(

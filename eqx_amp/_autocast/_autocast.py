@@ -44,7 +44,7 @@ class _AutocastWrapper(FunctionWrapper):
         )
         if self.rules.uses_fp8 and policy.compute_dtype.itemsize < 2:
             raise ValueError(
-                f"`eqx_amp.FP8` quantises matmul operands from the compute dtype and "
+                f"`eqx_amp.fp8.TENSORWISE` quantises matmul operands from the compute dtype and "
                 f"returns products in it, so the compute dtype must be bfloat16, "
                 f"float16 or wider, but the policy is {policy}. Keep the policy's "
                 "compute dtype at bfloat16 and ask for fp8 with the rule."
@@ -116,12 +116,12 @@ def autocast(
         `None` means `default_policy()` where the call is traced (set it once with
         `eqx_amp.using_policy`).
     - `rules`: a mapping from JAX primitives (`jax.lax.exp_p`) or `jax.named_scope`
-        names to `LOW`, `FULL`, `PROMOTE`, `KEEP`, `FP8`, `FP8_ROWWISE` or a
+        names to `eqx_amp.rules.LOW`, `FULL`, `PROMOTE`, `AS_TRACED`, `eqx_amp.fp8.TENSORWISE`, `ROWWISE` or a
         callable `rule(compute_dtype, original_dtypes, *invals, **params) ->
         (invals, params)` (jaxamp's signature), merged over `DEFAULT_RULES`. The
         innermost matching named scope wins over primitive rules; ops no rule covers
-        are not cast. `{jax.lax.dot_general_p: eqx_amp.FP8}` runs matmuls in fp8
-        with current scaling (`eqx_amp.fp8_dot_general`), those whose shapes an fp8
+        are not cast. `{jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE}` runs matmuls in fp8
+        with current scaling (`eqx_amp.fp8.dot_general`), those whose shapes an fp8
         GEMM cannot take in the compute dtype (`precision_report` says which, and
         why).
 
@@ -135,7 +135,7 @@ def autocast(
 
     ```python
     model = eqx.nn.MLP(784, 10, 256, 2, key=jax.random.key(0))
-    forward = eqx_amp.autocast(eqx.filter_vmap(model), rules={"attention": eqx_amp.FULL})
+    forward = eqx_amp.autocast(eqx.filter_vmap(model), rules={"attention": eqx_amp.rules.FULL})
     logits = forward(images)          # matmuls in bf16, float32 logits
     loss, grads = eqx.filter_value_and_grad(eqx_amp.autocast(loss_fn))(model, x, y)
     ```
@@ -168,6 +168,6 @@ def autocast(
 
 _RUNS_MATMULS_IN = "`autocast` runs matmuls in"
 _KEEP_OPS_OR_RESCALE = (
-    "Keep those ops in float32 with a rule (`rules={scope: eqx_amp.FULL}`), use "
+    "Keep those ops in float32 with a rule (`rules={scope: eqx_amp.rules.FULL}`), use "
     "bfloat16 (float32's range), or rescale the model."
 )

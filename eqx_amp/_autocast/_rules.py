@@ -72,7 +72,7 @@ def promotion_dtypes(
 
 
 class BuiltinRule:
-    """One of `LOW`, `FULL`, `PROMOTE`, `KEEP`. Built-in rules are themselves
+    """One of `LOW`, `FULL`, `PROMOTE`, `AS_TRACED`. Built-in rules are themselves
     callables with the jaxamp signature, so user rules can wrap them."""
 
     # `target` is `None` for a subclass that overrides `cast`.
@@ -105,7 +105,7 @@ class BuiltinRule:
         return [cast(v, t, o) for v, t, o in zip(invals, targets, origins)]
 
     def __repr__(self) -> str:
-        return f"eqx_amp.{self.name}"
+        return f"eqx_amp.rules.{self.name}"
 
     def __reduce__(self):
         return self.name
@@ -129,14 +129,14 @@ PROMOTE = BuiltinRule(
     "inputs (binary and n-ary elementwise ops, which need their operands to agree); "
     "parameters and constants follow, as weakly typed values do in JAX.",
 )
-KEEP = BuiltinRule(
-    "KEEP",
+AS_TRACED = BuiltinRule(
+    "AS_TRACED",
     lambda compute, original, current, all_current: (
         original if is_floating_dtype(original) else current
     ),
     "Casts floating inputs back to the dtypes the original program had.",
 )
-BUILTIN_RULES = (LOW, FULL, PROMOTE, KEEP)
+BUILTIN_RULES = (LOW, FULL, PROMOTE, AS_TRACED)
 
 
 class _ParameterLookup(BuiltinRule):
@@ -154,7 +154,7 @@ class _ParameterLookup(BuiltinRule):
         return [table, *positions]
 
     def __repr__(self) -> str:
-        return "eqx_amp.DEFAULT_RULES[jax.lax.gather_p]"
+        return "eqx_amp.rules.DEFAULT_RULES[jax.lax.gather_p]"
 
 
 LOOKUP = _ParameterLookup("LOOKUP", None, _ParameterLookup.__doc__)
@@ -224,7 +224,7 @@ def _default_rules() -> dict[Any, Any]:
 
     for scope in NORM_SCOPES:
         rules[scope] = FULL
-    rules[FULL_PRECISION_SCOPE] = KEEP
+    rules[FULL_PRECISION_SCOPE] = AS_TRACED
     return rules
 
 
@@ -236,8 +236,8 @@ _BAD_KEY = (
 )
 _BAD_VALUE = (
     "The rule for {!r} is {!r}, which is not a rule. A rule is one of "
-    "`eqx_amp.LOW`, `eqx_amp.FULL`, `eqx_amp.PROMOTE`, `eqx_amp.KEEP`, "
-    "`eqx_amp.FP8`, `eqx_amp.FP8_ROWWISE`, or a callable "
+    "`eqx_amp.rules.LOW`, `eqx_amp.rules.FULL`, `eqx_amp.rules.PROMOTE`, `eqx_amp.rules.AS_TRACED`, "
+    "`eqx_amp.fp8.TENSORWISE`, `eqx_amp.fp8.ROWWISE`, or a callable "
     "`rule(compute_dtype, original_dtypes, *invals, **params) -> (invals, params)`."
 )
 

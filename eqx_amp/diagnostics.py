@@ -1,0 +1,16 @@
+"""What ran in which dtype, and which op overflowed.
+
+```python
+print(eqx_amp.diagnostics.precision_report(amp_model, x))
+print(eqx_amp.diagnostics.find_nonfinite(loss_fn, model, x, y))
+```
+
+`precision_report` and `find_nonfinite` are also at `eqx_amp.*`; the types of what
+they return live here.
+"""
+
+from ._report import NonfiniteOp as NonfiniteOp
+from ._report import PrecisionReport as PrecisionReport
+from ._report import WideMatmul as WideMatmul
+from ._report import find_nonfinite as find_nonfinite
+from ._report import precision_report as precision_report
