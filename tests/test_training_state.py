@@ -228,7 +228,7 @@ def test_kahan_summation_notices_weights_that_changed_dtype():
         ValueError,
         match=r"keeps a bfloat16 compensation buffer for a weight that is now an "
         r"array of dtype float32 and shape \(3,\)\. Apply its updates with "
-        r"`eqx_amp\.apply_updates",
+        r"`eqx_amp\.optim\.apply_updates",
     ):
         optimizer.update({"w": jnp.full(3, 1e-3)}, state, promoted)
 
