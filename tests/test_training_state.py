@@ -483,7 +483,7 @@ def test_bimodel_compensation_bad_input():
 
 
 def _encode_decode(x, storage, square_root, key=jr.key(0)):
-    from eqx_amp._moments import encode
+    from eqx_amp._moment_codec import encode
 
     return encode(x, storage, square_root, 256, key).decode()
 
@@ -509,7 +509,7 @@ def test_moment_encodings_error_bounds():
 def test_eight_bit_codes_are_the_maps_neighbours(signed):
     # The encoding computes where a value falls in the dynamic map from the map's
     # layout; it must agree with searching the map itself.
-    from eqx_amp._moments import _SIGNED_MAP, _UNSIGNED_MAP, _map_position
+    from eqx_amp._moment_codec import _SIGNED_MAP, _UNSIGNED_MAP, _map_position
 
     table = _SIGNED_MAP if signed else _UNSIGNED_MAP
     rng = np.random.default_rng(0)
@@ -724,7 +724,7 @@ def test_eight_bit_second_moments_never_round_to_zero():
 
 
 def test_eight_bit_blocks_follow_the_last_axis():
-    from eqx_amp._moments import encode
+    from eqx_amp._moment_codec import encode
 
     moment = jr.normal(jr.key(0), (4, 512))
     stored = encode(moment, "8bit", False, 256, jr.key(1))
