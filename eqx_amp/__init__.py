@@ -31,11 +31,11 @@ from ._loss_scale import all_finite as all_finite
 from ._loss_scale import select_tree as select_tree
 from ._loss_scaling import loss_scaling as loss_scaling
 from ._loss_scaling import scaled_value_and_grad as scaled_value_and_grad
+from ._nonfinite import find_nonfinite as find_nonfinite
 from ._policy import Policy as Policy
 from ._policy import default_policy as default_policy
 from ._policy import get_policy as get_policy
 from ._policy import using_policy as using_policy
-from ._report import find_nonfinite as find_nonfinite
 from ._report import precision_report as precision_report
 
 
