@@ -1,8 +1,5 @@
 """fp8 matmuls with current scaling: `eqx_amp.fp8.dot_general` and autocast's fp8 rules."""
 
-import pathlib
-import re
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -12,7 +9,11 @@ import pytest
 
 import eqx_amp
 
+from . import doc_blocks
 from .helpers import run_script_on_eight_devices, walk_eqns
+
+
+GUIDE = doc_blocks.REPO_ROOT / "docs" / "guides" / "fp8.md"
 
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
@@ -267,13 +268,11 @@ def test_fp8_rule_errors(getkey):
     assert repr(eqx_amp.fp8.ROWWISE) == "eqx_amp.fp8.ROWWISE"
 
 
-def test_readme_fp8_block_runs(getkey):
-    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text.split("### fp8 matmuls: `eqx_amp.fp8.TENSORWISE`", 1)[1].split(
-        "\n### ", 1
-    )[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    assert len(blocks) == 2
+def test_fp8_guide_blocks_run(getkey):
+    """The two blocks of docs/guides/fp8.md (`autocast` with the rule, `filter_amp`
+    and `BiModel` with `fp8=`), on this test's model rather than the page's set-up."""
+    code = [b for b in doc_blocks.blocks(GUIDE.read_text()) if not b.hidden]
+    assert len(code) == 2
     namespace = {
         "jax": jax,
         "eqx": eqx,
@@ -281,8 +280,7 @@ def test_readme_fp8_block_runs(getkey):
         "model": eqx.nn.MLP(32, 10, 64, 2, key=getkey()),
         "x": jr.normal(getkey(), (16, 32)),
     }
-    for block in blocks:
-        exec(compile(block, "README.md (fp8)", "exec"), namespace)
+    doc_blocks.run(code, "docs/guides/fp8.md", namespace)
     assert namespace["logits"].dtype == jnp.float32
     assert namespace["report"].fp8_skipped[0].reason.endswith("not a multiple of 16")
     assert namespace["forward"](namespace["x"]).dtype == jnp.float32

@@ -1,6 +1,5 @@
 import inspect
 import pathlib
-import re
 
 import equinox as eqx
 import jax
@@ -11,6 +10,7 @@ import pytest
 
 import eqx_amp
 
+from .doc_blocks import run_page
 from .helpers import eqns_named, run_on_eight_devices, traced
 
 
@@ -542,22 +542,11 @@ def test_bad_options(transform):
 #
 
 
-_DOCS_HEADING = "## fp16 training with dynamic loss scaling"
-
-
 def test_docs_snippets_run():
-    """The Python blocks of the README section on loss scaling run as written."""
-    text = (ROOT / "README.md").read_text()
-    assert _DOCS_HEADING in text
-    section = text.split(_DOCS_HEADING, 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    assert blocks
-    namespace: dict = {}
-    # User code with optax (whose adam is not strict-promotion clean): run it as a
-    # user would, under JAX's default promotion.
-    with jax.numpy_dtype_promotion("standard"):
-        for block in blocks:
-            exec(compile(block, "README.md (python block)", "exec"), namespace)
+    """The Python blocks of docs/guides/loss-scaling.md run as written, in order (as
+    users run optax, under JAX's default promotion: tests/doc_blocks.py)."""
+    namespace = run_page("docs/guides/loss-scaling.md")
+    assert np.isfinite(float(namespace["loss"]))
 
 
 def test_complex_parameters_are_unscaled_like_real_ones(getkey):

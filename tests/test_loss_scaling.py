@@ -19,18 +19,18 @@ from .helpers import float_dtypes
 
 
 F32 = jnp.dtype(jnp.float32)
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+GUIDE = pathlib.Path(__file__).resolve().parent.parent / "docs/guides/loss-scaling.md"
 
 
-def _readme_block(marker: str) -> str:
-    text = README.read_text()
-    match = re.search(rf"<!-- {marker} -->\n```python\n(.*?)```", text, re.DOTALL)
-    assert match, f"README has no block marked {marker}"
+def _guide_block(marker: str) -> str:
+    text = GUIDE.read_text()
+    match = re.search(rf"<!-- {marker} -->\n```python[^\n]*\n(.*?)```", text, re.DOTALL)
+    assert match, f"{GUIDE.name} has no block marked {marker}"
     return match.group(1)
 
 
-def test_readme_float16_loop_is_three_lines_from_float32_and_trains():
-    fp32, fp16 = _readme_block("fp32-loop"), _readme_block("fp16-loop")
+def test_float16_loop_is_three_lines_from_float32_and_trains():
+    fp32, fp16 = _guide_block("fp32-loop"), _guide_block("fp16-loop")
     diff = difflib.unified_diff(fp32.splitlines(), fp16.splitlines(), lineterm="", n=0)
     changed = [
         line for line in diff if line.startswith("+") and not line.startswith("+++")
@@ -41,7 +41,7 @@ def test_readme_float16_loop_is_three_lines_from_float32_and_trains():
         namespace: dict = {}
         # As users run it: optax.adam's `decay**count` needs standard promotion.
         with jax.numpy_dtype_promotion("standard"):
-            exec(compile(source, f"README:{name}", "exec"), namespace)
+            exec(compile(source, f"{GUIDE.name}:{name}", "exec"), namespace)
         results[name] = namespace
     loss16, loss32 = float(results["fp16"]["loss"]), float(results["fp32"]["loss"])
     assert np.isfinite(loss16) and abs(loss16 - loss32) < 0.05 + 0.2 * loss32

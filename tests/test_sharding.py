@@ -4,7 +4,6 @@ steps on 8 devices read from the program right after SPMD partitioning."""
 
 import json
 import pathlib
-import re
 
 import equinox as eqx
 import jax
@@ -16,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import eqx_amp
 
+from . import doc_blocks
 from .helpers import (
     global_rel_error,
     run_repo_script,
@@ -537,21 +537,14 @@ def test_a_vmap_outside_the_wrapper_of_a_scanned_model_is_named(getkey):
 
 
 @pytest.mark.slow
-def test_readme_multi_device_section_runs_on_eight_devices():
-    """The Python blocks of the README's multi-device section run as written (with
-    optax, under JAX's default promotion, as a user would)."""
-    text = (REPO_ROOT / "README.md").read_text()
-    heading = "## Beyond one device:"
-    assert heading in text
-    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    assert len(blocks) >= 3
-    prelude = (
-        "import equinox as eqx\nimport jax.numpy as jnp\nimport optax\nimport eqx_amp\n"
-    )
+def test_multi_device_guide_runs_on_eight_devices():
+    """The Python blocks of docs/guides/multi-device.md (its hidden set-up too) run as
+    written on 8 devices (with optax, under JAX's default promotion, as a user would;
+    tests/test_doc_snippets.py runs them on one)."""
+    code = doc_blocks.blocks((REPO_ROOT / "docs/guides/multi-device.md").read_text())
+    assert sum(not b.hidden for b in code if b.runs) >= 4
     report = run_script_on_eight_devices(
-        prelude
-        + "\n".join(blocks)
+        "\n".join(b.source for b in code if b.runs)
         + """
 import numpy as np
 report = {
