@@ -5,7 +5,7 @@ The matrix:
 
 - modes: `jax.shard_map` (default `check_vma=True`), `jax.shard_map(check_vma=False)`
   and `jax.pmap` on 8 fake CPU devices (one subprocess, `slow`), and a named
-  `jax.vmap` on one device (fast): the README's FSDP recipe (specs given, `pmean`
+  `jax.vmap` on one device (fast): the multi-device guide's FSDP recipe (specs, `pmean`
   loss, `average=False`) must give the float32 reference's gradients of the mean
   loss in every mode, and `average=True` over gathered shards must be refused in
   every mode (no type says "shard" without `check_vma`);
