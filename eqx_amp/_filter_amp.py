@@ -39,7 +39,8 @@ from ._filters import (
 )
 from ._fp8 import Fp8ParamsHook, Fp8Rule
 from ._jaxpr._compat import UnsupportedJaxError
-from ._jaxpr._evaluate import Origin, evaluate_function, leaf_origins
+from ._jaxpr._evaluate import evaluate_function
+from ._jaxpr._hook import Origin, leaf_origins
 from ._policy import Policy, get_policy, resolve_policy
 from ._report import precision_report
 from ._sharding import ReduceInHook

@@ -23,7 +23,8 @@ from jaxtyping import Array
 
 from ._cast import floating_dtype
 from ._jaxpr import _compat as compat
-from ._jaxpr._evaluate import Hook, Origin, batched_like
+from ._jaxpr._evaluate import batched_like
+from ._jaxpr._hook import Hook, Origin
 
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)

@@ -15,12 +15,12 @@ from jax import lax
 from ._cast import is_floating_array, is_floating_dtype, is_half_dtype
 from ._fp8 import FP8_SCOPE, FP8_SKIPPED_SCOPE
 from ._jaxpr import _compat as compat
-from ._jaxpr._evaluate import (
+from ._jaxpr._evaluate import evaluate
+from ._jaxpr._hook import (
     MATMUL_PRIMITIVES,
     Frame,
     Hook,
     Origin,
-    evaluate,
     is_higher_order,
     leaf_origins,
 )

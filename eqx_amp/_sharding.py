@@ -27,16 +27,8 @@ from jaxtyping import PyTree
 from ._cast import cast_leaf, is_floating_array, widest_dtype
 from ._filters import FilterSpec, default_filter_spec, selection_mask
 from ._jaxpr import _compat as compat
-from ._jaxpr._evaluate import (
-    Evaluate,
-    Frame,
-    Hook,
-    Origin,
-    batched_like,
-    cast_to,
-    evaluate,
-    is_higher_order,
-)
+from ._jaxpr._evaluate import batched_like, evaluate
+from ._jaxpr._hook import Evaluate, Frame, Hook, Origin, cast_to, is_higher_order
 from ._loss_scale import check_axis_name, unbound_axis_name_error
 from ._policy import Policy, resolve_policy
 

@@ -14,7 +14,8 @@ from jax import lax
 
 import eqx_amp
 from eqx_amp._jaxpr import _compat as compat
-from eqx_amp._jaxpr._evaluate import Hook, evaluate
+from eqx_amp._jaxpr._evaluate import evaluate
+from eqx_amp._jaxpr._hook import Hook
 
 
 TESTED = r"0\.10\.x to 0\.12\.x"

@@ -16,7 +16,8 @@ from jax import lax
 
 import eqx_amp
 from eqx_amp._jaxpr import _compat as compat
-from eqx_amp._jaxpr._evaluate import Hook, evaluate
+from eqx_amp._jaxpr._evaluate import evaluate
+from eqx_amp._jaxpr._hook import Hook
 
 from .helpers import (
     assert_matmuls_in,

@@ -9,7 +9,7 @@ import numpy as np
 from .._cast import is_floating_array, widest_dtype
 from .._filters import LAYERS_RETURNING_INPUT_DTYPE_SCOPES
 from .._jaxpr import _compat as compat
-from .._jaxpr._evaluate import Frame
+from .._jaxpr._hook import Frame
 
 
 class _LayerCall:

@@ -13,7 +13,7 @@ from .._cast import at_least_float32, is_floating_array, is_floating_dtype, wide
 from .._filters import FULL_PRECISION_SCOPE, NORM_SCOPES
 from .._fp8 import Fp8Rule
 from .._jaxpr import _compat as compat
-from .._jaxpr._evaluate import MATMUL_PRIMITIVES, Origin
+from .._jaxpr._hook import MATMUL_PRIMITIVES, Origin
 
 
 # A rule has jaxamp's signature: it receives the compute dtype, the dtypes the
