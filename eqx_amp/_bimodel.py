@@ -18,7 +18,7 @@ the whole model from the two.
 import functools as ft
 import warnings
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Generic, ParamSpec, Self, TypeVar
 
 import equinox as eqx
 import jax
@@ -56,6 +56,9 @@ from ._updates import add_in_float32, is_none, paired_leaves
 from ._wrapper import check_callable, user_stacklevel
 
 
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
 _NESTED_BIMODEL = (
     "`model` is already a `BiModel`. Pass `bimodel.master` to build a new one with "
     "another policy or filter spec."
@@ -67,7 +70,7 @@ _COMPUTE_MISMATCH = (
 )
 
 
-class BiModel(eqx.Module):
+class BiModel(eqx.Module, Generic[_P, _T]):
     """A model held twice: float32 master weights for the optimiser, and a
     half-precision compute copy for the forward and backward passes.
 
@@ -173,7 +176,7 @@ class BiModel(eqx.Module):
 
     def __init__(
         self,
-        model: PyTree,
+        model: Callable[_P, _T] | PyTree,
         *,
         policy: Policy | str | None = None,
         filter_spec: FilterSpec | None = None,
@@ -229,7 +232,7 @@ class BiModel(eqx.Module):
         `master`, `True` where a leaf is selected for the compute dtype."""
         return jtu.tree_unflatten(jtu.tree_structure(self.master), self._selected)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         """Runs the compute copy with `filter_amp` semantics (see the class
         docstring)."""
         if not callable(self.master):
@@ -261,7 +264,7 @@ class BiModel(eqx.Module):
         )
         return amp(*args, **kwargs)
 
-    def with_compute(self, compute: PyTree) -> "BiModel":
+    def with_compute(self, compute: PyTree) -> Self:
         """This `BiModel` with its compute copy replaced by `compute`.
 
         It exists to differentiate with respect to the compute copy with any
@@ -293,7 +296,7 @@ class BiModel(eqx.Module):
         compute_only = tuple(c if own else None for c, own in zip(compute_leaves, owns))
         return self._replace(master, compute_only)
 
-    def apply_updates(self, updates: PyTree) -> "BiModel":
+    def apply_updates(self, updates: PyTree) -> Self:
         """Adds float32 updates to the master weights and refreshes the compute copy.
 
         **Arguments:**
@@ -468,7 +471,7 @@ class BiModel(eqx.Module):
         # The compute copy is bound as the differentiated first argument.
         return eqx.Partial(transform(_OnCompute(fun, self), **options), self.compute)
 
-    def _replace(self, master: PyTree, compute_only: PyTree) -> "BiModel":
+    def _replace(self, master: PyTree, compute_only: PyTree) -> Self:
         # Not through `__init__`: the parts are already in their dtypes, and
         # `__init__` would resolve the spec against the model again.
         return eqx.tree_at(

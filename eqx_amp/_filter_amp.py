@@ -6,13 +6,20 @@ import operator
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar, cast, overload
+from typing import (
+    Any,
+    ParamSpec,
+    Protocol,
+    TypeVar,
+    cast,
+    overload,
+    runtime_checkable,
+)
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
-from jax.core import Tracer
 from jaxtyping import PyTree
 
 from ._cast import (
@@ -22,7 +29,6 @@ from ._cast import (
     cast_leaf,
     drop_state,
     is_floating_array,
-    is_half_dtype,
     overflows_by_dtype,
     warn_if_cast_overflows,
     warn_of_overflow,
@@ -30,24 +36,21 @@ from ._cast import (
 )
 from ._filters import (
     FULL_PRECISION_SCOPE,
-    LAYERS_RETURNING_INPUT_DTYPE_SCOPES,
     SELF_CASTING_LAYERS,
     STATE_TYPES,
     FilterSpec,
     default_filter_spec,
     selection_mask,
 )
-from ._fp8 import Fp8ParamsHook, Fp8Rule
-from ._jaxpr._compat import UnsupportedJaxError
 from ._jaxpr._evaluate import evaluate_function
 from ._jaxpr._hook import Origin, leaf_origins
 from ._policy import Policy, get_policy, resolve_policy
-from ._report import precision_report
 from ._sharding import ReduceInHook
 from ._wrapper import FunctionWrapper, check_callable, user_stacklevel
 
 
-_F = TypeVar("_F", bound=Callable)
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 _sentinel: Any = object()
 
@@ -81,10 +84,6 @@ def _call_at(
     return cast_all_but_state(out, lambda _: caller_dtype)
 
 
-# Marks the classes `_boundary_class` makes.
-_AT_BOUNDARY = "_eqx_amp_runs_at_its_boundary"
-
-
 @ft.cache
 def _boundary_class(cls: type, dtype: np.dtype) -> type:
     """A subclass of `cls` whose `__call__` runs at `dtype` with casts at its own call
@@ -103,7 +102,6 @@ def _boundary_class(cls: type, dtype: np.dtype) -> type:
     namespace = {
         "__init__": __init__,
         "__call__": __call__,
-        _AT_BOUNDARY: True,
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
@@ -195,11 +193,30 @@ def _add_kept_boundaries(tree: PyTree, mask: PyTree[bool], dtype: np.dtype) -> P
     `dtype`, with casts at its own call boundary; and every other convolution cast
     its inputs to its weight's dtype."""
 
-    def visit(node, node_mask):
-        if _is_boundary_candidate(node) and _fully_kept(node, node_mask):
+    def replace(node: Any, node_mask: PyTree[bool]) -> Any:
+        if _is_kept_layer(node, node_mask):
             return _with_boundary_class(node, dtype)
         if _casts_inputs_to_weight(node):
             return _input_cast_class(type(node))(node)
+        return None
+
+    return _replace_submodules(tree, mask, replace)
+
+
+def _is_kept_layer(node: Any, node_mask: PyTree[bool]) -> bool:
+    return _is_boundary_candidate(node) and _fully_kept(node, node_mask)
+
+
+def _replace_submodules(
+    tree: PyTree, mask: PyTree[bool], replace: Callable[[Any, PyTree[bool]], Any]
+) -> PyTree:
+    """`tree` with each module for which `replace(module, its mask)` is not `None`
+    (looked for from the outside in) replaced by what it returns."""
+
+    def visit(node, node_mask):
+        replaced = replace(node, node_mask)
+        if replaced is not None:
+            return replaced
         is_child_module = lambda x: x is not node and isinstance(x, eqx.Module)  # noqa: E731
         children_leaves = jtu.tree_leaves(node, is_leaf=is_child_module)
         if not any(isinstance(c, eqx.Module) for c in children_leaves):
@@ -207,6 +224,23 @@ def _add_kept_boundaries(tree: PyTree, mask: PyTree[bool], dtype: np.dtype) -> P
         return jtu.tree_map(visit, node, node_mask, is_leaf=is_child_module)
 
     return visit(tree, mask)
+
+
+def kept_layer_names(tree: PyTree, filter_spec: FilterSpec | None) -> set[str]:
+    """The classes of the submodules of `tree` that `filter_amp` (and `BiModel`)
+    run in the parameter dtype at their own call boundary, because `filter_spec`
+    keeps all their floating leaves (normalisation layers, by default)."""
+    spec = default_filter_spec(tree) if filter_spec is None else filter_spec
+    names: set[str] = set()
+
+    def record(node: Any, node_mask: PyTree[bool]) -> Any:
+        if _is_kept_layer(node, node_mask):
+            names.add(type(node).__name__)
+            return node
+        return None
+
+    _replace_submodules(tree, selection_mask(tree, spec), record)
+    return names
 
 
 #
@@ -378,13 +412,27 @@ def _is_pytree_node(obj: Any) -> bool:
     return jtu.treedef_is_leaf(jtu.tree_structure(obj)) is False
 
 
-class _AmpWrapper(FunctionWrapper):
-    fn: Callable
+@runtime_checkable
+class Fp8Pass(Protocol):
+    """What `filter_amp(..., fp8=...)` takes (`eqx_amp.fp8.TENSORWISE`, `ROWWISE`):
+    the object runs the call with the matmuls reading the selected parameters in
+    fp8. The call reaches fp8 through it, so that this module does not import fp8."""
+
+    def run_in_fp8(
+        self, fn: Callable, args: tuple, kwargs: dict, params: list[Any]
+    ) -> Any: ...
+
+
+class AmpWrapper(FunctionWrapper[_P, _T]):
+    """What `filter_amp(fn)` returns: called as `fn` is, with its parameters and
+    result type."""
+
+    fn: Callable[_P, _T]
     # `None`: the default policy where the call is traced (`eqx_amp.using_policy`).
     policy: Policy | None = eqx.field(static=True)
     filter_spec: FilterSpec | None
     arg_spec: FilterSpec | None = None
-    fp8: Any = eqx.field(static=True, default=None)
+    fp8: Fp8Pass | None = eqx.field(static=True, default=None)
     fp8_filter: Callable[[eqx.Module], bool] | None = eqx.field(
         static=True, default=None
     )
@@ -396,7 +444,7 @@ class _AmpWrapper(FunctionWrapper):
     # (asked then: Equinox rebuilds modules, so an identity test would fail later).
     fp8_selected: tuple[bool, ...] | None = eqx.field(static=True, default=None)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         policy = resolve_policy(self.policy)
         warn_of_overflow(
             dict(self.weight_overflows).get(policy.compute_dtype.name, ()),
@@ -409,8 +457,6 @@ class _AmpWrapper(FunctionWrapper):
         fn = _amp_view(self.fn, policy, self.filter_spec, {}, copies)
         cast_args, cast_kwargs = _cast_arguments(args, kwargs, policy, self.arg_spec)
         copies.append(((args, kwargs), (cast_args, cast_kwargs)))
-        args, kwargs = cast_args, cast_kwargs
-        _check_coverage(self.fn, fn, args, kwargs, policy)
         if self.fp8 is not None:
             _check_fp8_policy(policy)
             # The arrays of the modules the filter selects are the parameters whose
@@ -429,20 +475,15 @@ class _AmpWrapper(FunctionWrapper):
                 params += _arrays_of_selected(copies[-1:], selected)  # the arguments
             if not params and self.fp8_filter is not None:
                 _warn_fp8_filter_selects_nothing(copies)
-            out = evaluate_function(
-                _call,
-                (fn, args, kwargs),
-                Fp8ParamsHook(self.fp8.scaling),
-                param_arrays=params,
-            )
+            out = self.fp8.run_in_fp8(fn, cast_args, cast_kwargs, params)
         elif policy.reduce_dtype == policy.compute_dtype:
-            out = fn(*args, **kwargs)
+            out = fn(*cast_args, **cast_kwargs)
         else:
             # Only the matmuls reading parameters change: their weight gradients are
             # emitted (and so reduced across devices) in the reduce dtype.
             out = evaluate_function(
                 _call,
-                (fn, args, kwargs),
+                (fn, cast_args, cast_kwargs),
                 ReduceInHook(policy.reduce_dtype),
                 params_are=_is_module,
             )
@@ -523,7 +564,7 @@ def _check_fp8_policy(policy: Policy) -> None:
 
 
 def _check_fp8_options(fp8: Any, fp8_filter: Any) -> None:
-    if fp8 is not None and not isinstance(fp8, Fp8Rule):
+    if fp8 is not None and not isinstance(fp8, Fp8Pass):
         raise TypeError(
             "`fp8` must be `eqx_amp.fp8.TENSORWISE`, `eqx_amp.fp8.ROWWISE` or None, but got "
             f"{fp8!r}."
@@ -546,155 +587,16 @@ def _is_module(node: Any) -> bool:
     return isinstance(node, eqx.Module)
 
 
-_LOW_COVERAGE = (
-    "`filter_amp` runs only {share:.0%} of the matmul/convolution FLOPs of {name} in "
-    "{dtype} (per call, which under `jax.vmap` is one example; matmuls on "
-    "parameters the filter spec keeps are not counted): the rest read a wider "
-    "operand. The largest, {worst_share:.0%} of them, is `{primitive}` at {source}, "
-    "whose wide operand is {reason}. {fix} `eqx_amp.precision_report` lists every "
-    "such matmul."
-)
-_KEEP_LAYERS = (
-    "{layers} make{s} {its} result float32 from {its} own float32 state or "
-    "parameters: keep {them} in the parameter dtype, where {they} then run{s} by "
-    "choice (`filter_spec=eqx_amp.keep(model, {types})`), or use `eqx_amp.autocast`, "
-    "which casts every matmul's operands."
-)
-_CAST_WHERE_MADE = (
-    "Cast that array to the compute dtype where it is made or enters "
-    "(`jnp.zeros(n, x.dtype)`, `h.astype(x.dtype)`), or use `eqx_amp.autocast`, "
-    "which casts every matmul's operands."
-)
-# An abstract trace of what the real call ran on concrete values (an eager
-# `jax.grad`, weights closed over by a jitted function) cannot read them: the check
-# has nothing to say there. And on a jax whose internals the jaxpr layer does not
-# know, `filter_amp` works but the check cannot.
-_CANNOT_CHECK = (
-    jax.errors.ConcretizationTypeError,
-    jax.errors.TracerArrayConversionError,
-    jax.errors.TracerIntegerConversionError,
-    UnsupportedJaxError,
-)
-
-
-def _check_coverage(
-    original: Any, view: Callable, args: tuple, kwargs: dict, policy: Policy
-) -> None:
-    """Warns when less than half of a call's matmul FLOPs run in the compute dtype
-    (an array made in float32 inside the model, float32 state): the user asked for
-    mixed precision and would otherwise not know. Checked where the call is traced
-    (once per compilation under `jit`), never on concrete arrays, where it would
-    trace the function again on every call."""
-    if not is_half_dtype(policy.compute_dtype):
-        return
-    is_tracer = lambda x: isinstance(x, Tracer)  # noqa: E731
-    if not any(map(is_tracer, jtu.tree_leaves((view, args, kwargs)))):
-        return
-    try:
-        report = precision_report(view, *args, **kwargs)
-    except _CANNOT_CHECK:
-        return
-    # Matmuls on parameters the filter spec keeps wide were asked for.
-    chosen = sum(w.flops for w in report.wide_matmuls if w.origin == "params")
-    unasked = [w for w in report.wide_matmuls if w.origin != "params"]
-    considered = report.matmul_flops - chosen
-    if not unasked or report.low_precision_flops >= 0.5 * considered:
-        return
-    worst = unasked[0]
-    warnings.warn(
-        _LOW_COVERAGE.format(
-            share=report.low_precision_flops / considered,
-            name=_model_name(original),
-            dtype=policy.compute_dtype.name,
-            worst_share=worst.flops / considered,
-            primitive=worst.primitive,
-            source=worst.source,
-            reason=worst.reason,
-            fix=_coverage_fix(unasked, _kept_layer_names(view)),
-        ),
-        stacklevel=user_stacklevel(),
-    )
-
-
-def _coverage_fix(unasked: list, kept: set[str]) -> str:
-    """The fix for the wide matmuls: keeping the Equinox layers whose own state
-    made their operands wide (`SpectralNorm`), or casting an array where it is
-    made. A kept layer (BatchNorm by default) hands back what it was given: a wide
-    result there comes from upstream."""
-    layers: list[str] = []
-    for wide in unasked:
-        # The outermost Equinox layer the operand was made in.
-        scopes = [s for s in wide.made_in.split("/") if s.startswith("eqx.nn.")]
-        if (
-            scopes
-            and scopes[0] not in layers
-            and scopes[0].removeprefix("eqx.nn.") not in kept
-            and scopes[0] not in LAYERS_RETURNING_INPUT_DTYPE_SCOPES
-        ):
-            layers.append(scopes[0])
-    if not layers:
-        return _CAST_WHERE_MADE
-    many = len(layers) > 1
-    return _KEEP_LAYERS.format(
-        layers=", ".join(f"`{layer}`" for layer in layers),
-        s="" if many else "s",
-        its="their" if many else "its",
-        them="them" if many else "it",
-        they="they" if many else "it",
-        types=", ".join(layers),
-    )
-
-
-def _kept_layer_names(view: Any) -> set[str]:
-    """The classes of the submodules `filter_amp` runs at their own boundary."""
-    names = set()
-    stack = [view]
-    while stack:
-        node = stack.pop()
-        if _is_module(node) and getattr(type(node), _AT_BOUNDARY, False):
-            names.add(type(node).__name__)
-        children = jtu.tree_leaves(
-            node, is_leaf=lambda x, node=node: x is not node and _is_module(x)
-        )
-        stack.extend(child for child in children if _is_module(child))
-    return names
-
-
-def _model_name(fn: Any) -> str:
-    """What the user would call the function: a module's class (`eqx.nn.Sequential`
-    with its layers, what an Equinox transform wraps), a function's name."""
-    if isinstance(fn, eqx.nn.Sequential):
-        return f"Sequential({', '.join(_model_name(layer) for layer in fn.layers)})"
-    if isinstance(fn, eqx.Module) and type(fn).__module__.startswith("equinox."):
-        wrapped = getattr(type(fn), "__wrapped__", None)
-        if wrapped is not None:  # `eqx.filter_vmap(model)` and the like
-            transform = _EQUINOX_TRANSFORMS.get(type(fn).__name__, type(fn).__name__)
-            return f"{_model_name(getattr(fn, '__wrapped__'))} under {transform}"
-    if isinstance(fn, ft.partial):
-        return _model_name(fn.func)
-    if isinstance(fn, (types.FunctionType, types.MethodType)):
-        return fn.__qualname__
-    return type(fn).__name__
-
-
-_EQUINOX_TRANSFORMS = {
-    "_VmapWrapper": "`eqx.filter_vmap`",
-    "_PmapWrapper": "`eqx.filter_pmap`",
-    "_JitWrapper": "`eqx.filter_jit`",
-    "_CheckpointWrapper": "`eqx.filter_checkpoint`",
-}
-
-
 @overload
 def filter_amp(
-    fn: _F,
+    fn: Callable[_P, _T],
     *,
     policy: Policy | str | None = None,
     filter_spec: FilterSpec | None = None,
     arg_spec: FilterSpec | None = None,
-    fp8: Fp8Rule | None = None,
+    fp8: Fp8Pass | None = None,
     fp8_filter: Callable[[eqx.Module], bool] | None = None,
-) -> _F: ...
+) -> AmpWrapper[_P, _T]: ...
 
 
 @overload
@@ -703,9 +605,9 @@ def filter_amp(
     policy: Policy | str | None = None,
     filter_spec: FilterSpec | None = None,
     arg_spec: FilterSpec | None = None,
-    fp8: Fp8Rule | None = None,
+    fp8: Fp8Pass | None = None,
     fp8_filter: Callable[[eqx.Module], bool] | None = None,
-) -> Callable[[_F], _F]: ...
+) -> Callable[[Callable[_P, _T]], AmpWrapper[_P, _T]]: ...
 
 
 def filter_amp(
@@ -714,9 +616,9 @@ def filter_amp(
     policy: Policy | str | None = None,
     filter_spec: FilterSpec | None = None,
     arg_spec: FilterSpec | None = None,
-    fp8: Fp8Rule | None = None,
+    fp8: Fp8Pass | None = None,
     fp8_filter: Callable[[eqx.Module], bool] | None = None,
-) -> Callable:
+) -> Any:
     """Runs `fn` in mixed precision, casting at its call boundary.
 
     On each call, the floating leaves of `fn` that `filter_spec` selects and every
@@ -740,11 +642,21 @@ def filter_amp(
         `leaf -> bool`, or a pytree prefix of `(args, kwargs)` (`((False, True),
         {})` keeps the first positional argument, a diffusion model's time, in its
         dtype). `None` casts every floating argument. `eqx.nn.State` never is.
+    - `fp8`: `eqx_amp.fp8.TENSORWISE` or `ROWWISE` to run the matmuls reading the
+        parameters in fp8 (with a compute dtype of bfloat16 or wider); `None` for
+        none.
+    - `fp8_filter`: which modules' matmuls run in fp8, a callable `module -> bool`
+        asked of the modules as `filter_amp` is given them; `None` means all.
 
     **Returns:**
 
-    A callable with `fn`'s signature. It is an `eqx.Module`, so it can be passed
-    through `eqx.filter_jit` and `eqx.filter_grad` like `fn` itself.
+    An `AmpWrapper`: called as `fn` is, with its parameters and result type (a
+    type checker sees `amp_model(x)` as `model(x)`, and no attribute of `model` on
+    `amp_model`: reach those through `model` itself). It is an `eqx.Module`, so it
+    can be passed through `eqx.filter_jit` and `eqx.filter_grad` like `fn` itself.
+    The call traces `fn` once, as `fn` alone would be; run
+    `eqx_amp.precision_report(amp_model, x)` once on a new model to see how much of
+    it runs in the compute dtype, and why the rest does not.
 
     **Example:**
 
@@ -778,8 +690,8 @@ def filter_amp(
     if fp8_filter is not None and (isinstance(fn, eqx.Module) or _is_pytree_node(fn)):
         # Asked now, of the module given: the wrapper below holds a rebuilt copy.
         fp8_selected = fp8_selection(fn, fp8_filter)
-    wrapper = _AmpWrapper(
-        cast(Callable, fn),
+    wrapper = AmpWrapper(
+        cast(Callable, fn),  # the `isinstance` above narrowed it to a Module
         policy,
         filter_spec,
         arg_spec,
@@ -788,7 +700,9 @@ def filter_amp(
         weight_overflows=overflows,
         fp8_selected=fp8_selected,
     )
-    return eqx.module_update_wrapper(wrapper)
+    # Not `eqx.module_update_wrapper`'s return type, `Callable[_P, _T]`: the wrapper
+    # itself, with its type.
+    return cast(AmpWrapper, eqx.module_update_wrapper(wrapper))
 
 
 _CASTS_WEIGHTS_TO = "`filter_amp` casts the weights to"
@@ -862,10 +776,13 @@ def _check_filter_spec(fn: Any, filter_spec: FilterSpec | None) -> None:
 #
 
 
-class _FullPrecisionWrapper(FunctionWrapper):
-    fn: Callable
+class FullPrecisionWrapper(FunctionWrapper[_P, _T]):
+    """What `full_precision(fn)` returns: called as `fn` is, with its parameters
+    and result type."""
 
-    def __call__(self, *args, **kwargs):
+    fn: Callable[_P, _T]
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         fn = self.fn
         if isinstance(fn, eqx.Module) or _is_pytree_node(fn):
             fn = cast_all_but_state(fn, at_least_float32)
@@ -888,19 +805,21 @@ class _FullPrecisionScope:
     def __exit__(self, *exc_info):
         return self._open_scopes.pop().__exit__(*exc_info)
 
-    def __call__(self, fn: _F) -> _F:
+    def __call__(self, fn: Callable[_P, _T]) -> FullPrecisionWrapper[_P, _T]:
         return full_precision(fn)
 
 
 @overload
-def full_precision(fn: _F) -> _F: ...
+def full_precision(fn: Callable[_P, _T]) -> FullPrecisionWrapper[_P, _T]: ...
 
 
 @overload
 def full_precision(fn: None = None) -> _FullPrecisionScope: ...
 
 
-def full_precision(fn: Callable | None = None) -> Callable | _FullPrecisionScope:
+def full_precision(
+    fn: Callable | None = None,
+) -> FullPrecisionWrapper | _FullPrecisionScope:
     """Runs a function in float32 inside mixed-precision code.
 
     As a decorator (`@full_precision` or `full_precision(fn)`), `fn` runs in float32:
@@ -933,4 +852,6 @@ def full_precision(fn: Callable | None = None) -> Callable | _FullPrecisionScope
             "`full_precision` takes a callable to decorate, or no argument for the "
             f"context-manager form, but got {type(fn).__name__}."
         )
-    return eqx.module_update_wrapper(_FullPrecisionWrapper(fn))
+    return cast(
+        FullPrecisionWrapper, eqx.module_update_wrapper(FullPrecisionWrapper(fn))
+    )

@@ -12,7 +12,7 @@ is exactly the one written here, and differentiating it again is refused.
 """
 
 import functools as ft
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -23,7 +23,7 @@ from jaxtyping import Array
 
 from ._cast import floating_dtype
 from ._jaxpr import _compat as compat
-from ._jaxpr._evaluate import batched_like
+from ._jaxpr._evaluate import batched_like, evaluate_function
 from ._jaxpr._hook import Hook, Origin
 
 
@@ -57,6 +57,16 @@ class Fp8Rule:
         raise TypeError(
             f"eqx_amp.fp8.{self.name} is applied by `autocast` itself (it rebinds the "
             "matmul); it cannot be called as a rule function."
+        )
+
+    def run_in_fp8(
+        self, fn: Callable, args: tuple, kwargs: dict, params: list[Any]
+    ) -> Any:
+        """`fn(*args, **kwargs)` with each matmul that reads one of `params` run as
+        an fp8 matmul where its shapes allow one (`filter_amp(..., fp8=...)`, which
+        reaches fp8 through this method rather than importing it)."""
+        return evaluate_function(
+            _call, (fn, args, kwargs), Fp8ParamsHook(self.scaling), param_arrays=params
         )
 
     def __repr__(self) -> str:
@@ -544,3 +554,7 @@ class Fp8ParamsHook(Hook):
                 )
             ]
         return evaluate(invals)
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    return fn(*args, **kwargs)

@@ -313,11 +313,11 @@ class _ScaledGradWrapper(FunctionWrapper):
 
     @property
     def __wrapped__(self):
-        return self.fn.__wrapped__  # pyright: ignore[reportAttributeAccessIssue]
+        return self.fn.__wrapped__  # pyright: ignore[reportFunctionMemberAccess]
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return self.fn.__signature__  # pyright: ignore[reportAttributeAccessIssue]
+        return self.fn.__signature__  # pyright: ignore[reportFunctionMemberAccess]
 
     def __call__(self, /, *args, **kwargs):
         (value, grads), new_loss_scale, grads_finite = self.fn(*args, **kwargs)

@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import math
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._cast import is_floating_array, is_floating_dtype, is_half_dtype
+from ._coverage import coverage_advice
 from ._fp8 import FP8_SCOPE, FP8_SKIPPED_SCOPE
 from ._jaxpr import _compat as compat
 from ._jaxpr._evaluate import evaluate
@@ -137,6 +139,12 @@ class PrecisionReport:
         dtypes it reads (`("float8_e4m3fn", "float8_e4m3fn")` forward, e5m2 with
         e4m3 backward) and as low precision. Products whose results nothing uses
         are not counted (they never run).
+    - `advice`: where less than half of the matmul FLOPs of a mixed-precision
+        model run in low precision (those on parameters the filter spec keeps
+        aside), what to change: the largest wide matmul, what made its wide
+        operand (an array made in float32 inside the model, a layer's float32
+        state such as `eqx.nn.SpectralNorm`'s) and the fix; `""` otherwise.
+        Printed at the top of the table.
     """
 
     ops: dict[str, dict[tuple[str, ...], int]]
@@ -149,6 +157,7 @@ class PrecisionReport:
     )
     wide_matmuls: tuple["WideMatmul", ...] = ()
     fp8_skipped: tuple[Fp8Skip, ...] = ()
+    advice: str = ""
 
     @property
     def low_precision_share(self) -> float:
@@ -161,9 +170,10 @@ class PrecisionReport:
             f"matmul/conv FLOPs in low precision: {self.low_precision_share:.1%} "
             f"({self.low_precision_flops:,} of {self.matmul_flops:,})",
             f"casts between floating dtypes: {self.casts}",
-            "",
-            f"{'primitive':<24} {'count':>6}  input dtypes",
         ]
+        if self.advice:
+            lines += ["", *textwrap.wrap(f"advice: {self.advice}", 88)]
+        lines += ["", f"{'primitive':<24} {'count':>6}  input dtypes"]
         for name in sorted(self.ops, key=lambda n: -sum(self.ops[n].values())):
             for dtypes, count in sorted(self.ops[name].items(), key=lambda kv: -kv[1]):
                 lines.append(f"{name:<24} {count:>6}  {', '.join(dtypes) or '-'}")
@@ -253,7 +263,10 @@ def precision_report(fn: Callable, *args: Any, **kwargs: Any) -> PrecisionReport
     sub-jaxpr: counts and dtypes per primitive, the share of matmul/conv FLOPs in low
     precision, the number of casts, and the ops that run in full precision with
     their scope and source line. Works for plain functions and for `filter_amp` and
-    `autocast` ones (it reads the program they actually trace).
+    `autocast` ones (it reads the program they actually trace). Where less than
+    half of a mixed-precision model's matmul FLOPs run in low precision,
+    `report.advice` names the cause and the fix: run it once on a new model
+    (`filter_amp` does not check its calls).
 
     **Arguments:**
 
@@ -281,7 +294,8 @@ def precision_report(fn: Callable, *args: Any, **kwargs: Any) -> PrecisionReport
     jax.eval_shape(
         lambda *xs: evaluate(closed, xs, census, origins=origins)[0], *structs
     )
-    return census.report()
+    report = census.report()
+    return dataclasses.replace(report, advice=coverage_advice(report, fn))
 
 
 def _argument_origins(tree: Any) -> list[Origin]:

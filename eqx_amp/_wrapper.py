@@ -4,29 +4,52 @@ import abc
 import inspect
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
 import equinox as eqx
 import jax
 import jaxtyping
 
 
-class FunctionWrapper(eqx.Module):
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+_BoundP = ParamSpec("_BoundP")
+
+
+class FunctionWrapper(eqx.Module, Generic[_P, _T]):
     """Like Equinox's own transform wrappers, the callables eqx_amp returns are
     `eqx.Module`s (so they are pytrees: the wrapped module's arrays stay visible to
     `eqx.filter_jit` and `eqx.filter_grad`), report what they wrap as `__wrapped__`
-    (for `eqx.module_update_wrapper`), and bind as methods when stored on a class."""
+    (for `eqx.module_update_wrapper`), and bind as methods when stored on a class.
 
-    fn: eqx.AbstractVar[Callable]
+    Generic in the wrapped callable's parameters and result, so that a type checker
+    sees a wrapper called as what it wraps (`filter_amp(model)(x)` has the type of
+    `model(x)`), and not as the wrapped class (`filter_amp(model).layers` is an
+    error: the wrapper has no such attribute)."""
+
+    fn: eqx.AbstractVar[Callable[_P, _T]]
 
     @abc.abstractmethod
-    def __call__(self, /, *args: Any, **kwargs: Any) -> Any: ...
+    def __call__(self, /, *args: _P.args, **kwargs: _P.kwargs) -> _T: ...
 
     @property
-    def __wrapped__(self) -> Callable:
+    def __wrapped__(self) -> Callable[_P, _T]:
         return self.fn
 
-    def __get__(self, instance, owner):
+    @overload
+    def __get__(self, instance: None, owner: Any) -> Self: ...
+
+    @overload
+    def __get__(
+        self: "FunctionWrapper[Concatenate[Any, _BoundP], _T]",
+        instance: object,
+        owner: Any,
+    ) -> Callable[_BoundP, _T]: ...
+
+    @overload
+    def __get__(self, instance: object, owner: Any) -> Callable[..., _T]: ...
+
+    def __get__(self, instance: object, owner: Any) -> Any:
         del owner
         if instance is None:
             return self

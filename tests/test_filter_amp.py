@@ -1,4 +1,7 @@
+import ast
 import functools as ft
+import pathlib
+import re
 import warnings
 
 import equinox as eqx
@@ -393,10 +396,9 @@ def test_closure_semantics(getkey):
         return y
 
     amp_logs = eqx_amp.filter_amp(logs)
-    amp_logs(x)  # the first call also traces `logs` once, to check its coverage
-    log.clear()
     amp_logs(x)
-    # The append is seen (the list is not copied), and the model ran in bfloat16.
+    # The append is seen (the list is not copied), once (the call runs `logs` once,
+    # checking nothing), and the model ran in bfloat16.
     assert log == [jnp.dtype(jnp.bfloat16)]
 
     def with_default(x, m=model):
@@ -468,11 +470,11 @@ class _SpectralMLP(eqx.Module):
         return self.layer(x, state)
 
 
-def test_low_coverage_warns_once_naming_the_cause(getkey):
+def test_low_coverage_is_the_reports_to_say_naming_the_cause(getkey):
     """An RNN whose carry is made in float32 inside the model runs most of its
     matmuls wide under `filter_amp`, and so does a SpectralNorm layer (its float32
-    state makes the weight float32): that is said where the call is traced, naming
-    the cause."""
+    state makes the weight float32): the call says nothing (it traces the model
+    once, as the model alone would be), and `precision_report` names the cause."""
     xs = jnp.ones((10, 8))
     wide = _RNN(eqx.nn.GRUCell(8, 32, key=getkey()), carry_in_input_dtype=False)
     fixed = _RNN(eqx.nn.GRUCell(8, 32, key=getkey()), carry_in_input_dtype=True)
@@ -481,13 +483,39 @@ def test_low_coverage_warns_once_naming_the_cause(getkey):
     )
     # As users run them: float32 values meet bfloat16 ones in these models.
     with jax.numpy_dtype_promotion("standard"):
-        match = r"runs only 20% .* of _RNN in bfloat16.*test_filter_amp\.py"
-        with pytest.warns(UserWarning, match=match):
-            jax.make_jaxpr(eqx_amp.filter_amp(wide))(xs)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            eqx_amp.filter_amp(wide)(xs)  # concrete arrays: checked where traced
-        with pytest.warns(UserWarning, match=r"runs only 0% .* of _SpectralMLP"):
+            jax.make_jaxpr(eqx_amp.filter_amp(wide))(xs)
+            eqx_amp.filter_amp(wide)(xs)
             eqx.filter_jit(eqx_amp.filter_amp(spectral))(jnp.ones(8), state)
+        advice = eqx_amp.precision_report(eqx_amp.filter_amp(wide), xs).advice
+        assert re.search(
+            r"Only 20% .* of _RNN run in bfloat16.*test_filter_amp\.py", advice
+        )
+        report = eqx_amp.precision_report(
+            eqx_amp.filter_amp(spectral), jnp.ones(8), state
+        )
+        assert re.search(r"Only 0% .* of _SpectralMLP", report.advice)
+        assert "eqx_amp.keep(model, eqx.nn.SpectralNorm)" in report.advice
     report = eqx_amp.precision_report(eqx_amp.filter_amp(fixed), xs)
-    assert report.low_precision_share == 1.0
+    assert report.low_precision_share == 1.0 and report.advice == ""
+
+
+def test_the_call_path_imports_neither_the_diagnostics_nor_fp8():
+    """`filter_amp`'s module reaches fp8 through the rule given as `fp8=`
+    (`Fp8Rule.run_in_fp8`), and leaves coverage to `precision_report`: none of its
+    imports names either."""
+    import eqx_amp._filter_amp as module
+
+    tree = ast.parse(pathlib.Path(module.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            module_name = "." * node.level + (node.module or "")
+            imported |= {f"{module_name}.{alias.name}" for alias in node.names}
+    forbidden = ("_fp8", "fp8", "_report", "_nonfinite", "_coverage", "diagnostics")
+    for name in imported:
+        assert not set(name.split(".")) & set(forbidden), name
+    assert "._sharding.ReduceInHook" in imported  # the check reads the imports

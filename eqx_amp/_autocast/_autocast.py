@@ -3,7 +3,7 @@
 import functools as ft
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, overload
+from typing import Any, ParamSpec, TypeVar, cast, overload
 
 import equinox as eqx
 
@@ -15,7 +15,8 @@ from ._hook import AutocastHook
 from ._rules import RuleTable
 
 
-_F = TypeVar("_F", bound=Callable)
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 _sentinel: Any = object()
 
 
@@ -23,8 +24,11 @@ def _call(fn, args, kwargs):
     return fn(*args, **kwargs)
 
 
-class _AutocastWrapper(FunctionWrapper):
-    fn: Callable
+class AutocastWrapper(FunctionWrapper[_P, _T]):
+    """What `autocast(fn)` returns: called as `fn` is, with its parameters and
+    result type."""
+
+    fn: Callable[_P, _T]
     # `None`: the default policy where the call is traced (`eqx_amp.using_policy`).
     policy: Policy | None = eqx.field(static=True)
     rules: RuleTable = eqx.field(static=True)
@@ -33,7 +37,7 @@ class _AutocastWrapper(FunctionWrapper):
     # read.
     weight_overflows: tuple = eqx.field(static=True, default=())
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         policy = resolve_policy(self.policy)
         warn_of_overflow(
             dict(self.weight_overflows).get(policy.compute_dtype.name, ()),
@@ -74,11 +78,11 @@ def _holds_params(node: Any) -> bool:
 
 @overload
 def autocast(
-    fn: _F,
+    fn: Callable[_P, _T],
     *,
     policy: Policy | str | None = None,
     rules: Mapping[Any, Any] | None = None,
-) -> _F: ...
+) -> AutocastWrapper[_P, _T]: ...
 
 
 @overload
@@ -86,7 +90,7 @@ def autocast(
     *,
     policy: Policy | str | None = None,
     rules: Mapping[Any, Any] | None = None,
-) -> Callable[[_F], _F]: ...
+) -> Callable[[Callable[_P, _T]], AutocastWrapper[_P, _T]]: ...
 
 
 def autocast(
@@ -94,7 +98,7 @@ def autocast(
     *,
     policy: Policy | str | None = None,
     rules: Mapping[Any, Any] | None = None,
-) -> Callable:
+) -> Any:
     """Runs `fn` with op-level mixed precision, like `torch.autocast`.
 
     `fn` is traced to a jaxpr, which is re-evaluated op by op: each primitive's
@@ -127,9 +131,10 @@ def autocast(
 
     **Returns:**
 
-    A callable with `fn`'s signature, itself an `eqx.Module`: it works under
-    `jax.jit`, `eqx.filter_jit`, `jax.grad`, `eqx.filter_value_and_grad` and
-    `jax.vmap`.
+    An `AutocastWrapper`: called as `fn` is, with its parameters and result type
+    (a type checker sees no attribute of a wrapped model on it). It is itself an
+    `eqx.Module`: it works under `jax.jit`, `eqx.filter_jit`, `jax.grad`,
+    `eqx.filter_value_and_grad` and `jax.vmap`.
 
     **Example:**
 
@@ -162,8 +167,10 @@ def autocast(
         )
         if policy is None:
             overflows = tuple(by_dtype.items())
-    wrapper = _AutocastWrapper(fn, policy, RuleTable(rules), weight_overflows=overflows)
-    return eqx.module_update_wrapper(wrapper)
+    wrapper = AutocastWrapper(fn, policy, RuleTable(rules), weight_overflows=overflows)
+    # Not `eqx.module_update_wrapper`'s return type, `Callable[_P, _T]`: the wrapper
+    # itself, with its type.
+    return cast(AutocastWrapper, eqx.module_update_wrapper(wrapper))
 
 
 _RUNS_MATMULS_IN = "`autocast` runs matmuls in"

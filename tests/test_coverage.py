@@ -1,0 +1,189 @@
+"""Hostile tests of the advice `precision_report` gives when less than half of a
+mixed-precision model's matmul FLOPs run in the compute dtype (`report.advice`,
+printed at the top of `str(report)`), and of `filter_amp`'s call path, which no
+longer checks that itself: a call traces the user's function once.
+
+The matrix: models wrapped by `eqx.filter_vmap` and `eqx.nn.Sequential` (two of each,
+the second one with another coverage; two instances of one class, the well-cast one
+first); a model with `eqx.nn.SpectralNorm` and `eqx.nn.BatchNorm` (the cause is
+SpectralNorm's float32 state, BatchNorm only passes on what it is given) and the
+fix the advice gives, applied; reports through `jax.vmap`, `filter_amp`'s decorator
+form and `BiModel`; a program that is not mixed precision, and one under `autocast`
+(its wide matmuls are its rules' choice). Each advice must name the model, give the
+cause and the fix, and give the share the report itself gives.
+"""
+
+import re
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqx_amp
+
+
+class _RNN(eqx.Module):
+    """Its carry starts as `jnp.zeros(hidden)`, float32 whatever the input."""
+
+    cell: eqx.nn.GRUCell
+    carry_in_input_dtype: bool = eqx.field(static=True, default=False)
+
+    def __call__(self, xs, *, key=None):
+        del key  # a layer of `eqx.nn.Sequential`
+        dtype = xs.dtype if self.carry_in_input_dtype else jnp.float32
+        h0 = jnp.zeros(self.cell.hidden_size, dtype)
+        return jax.lax.scan(lambda h, x: (self.cell(x, h), None), h0, xs)[0]
+
+
+def _rnn(hidden, carry_in_input_dtype=False):
+    cell = eqx.nn.GRUCell(4, hidden, key=jax.random.key(hidden))
+    return _RNN(cell, carry_in_input_dtype)
+
+
+_XS = jnp.ones((3, 5, 4))  # batch, time, features
+
+
+def _share(advice: str) -> float:
+    return int(re.search(r"Only (\d+)%", advice).group(1)) / 100
+
+
+def _report(fn, *args):
+    with jax.numpy_dtype_promotion("standard"):  # as users run these models
+        return eqx_amp.precision_report(fn, *args)
+
+
+@pytest.mark.parametrize("wrap", ["filter_vmap", "Sequential"])
+def test_every_wrapped_model_is_named_with_the_cause_and_the_fix(wrap):
+    if wrap == "filter_vmap":
+        name = r"_RNN under `eqx\.filter_vmap`"
+        models = [eqx_amp.filter_amp(eqx.filter_vmap(_rnn(h))) for h in (16, 8)]
+    else:
+        name = r"Sequential\(Lambda, _RNN\)"
+        models = [
+            jax.vmap(
+                eqx_amp.filter_amp(
+                    eqx.nn.Sequential([eqx.nn.Lambda(jnp.tanh), _rnn(h)])
+                )
+            )
+            for h in (16, 8)
+        ]
+    shares = []
+    for amp in models:  # the second is advised too, whatever the first was
+        report = _report(amp, _XS)
+        advice = report.advice
+        assert re.search(rf"FLOPs of {name} run in bfloat16", advice), advice
+        shares.append(_share(advice))
+        assert shares[-1] == pytest.approx(report.low_precision_share, abs=0.01)
+        # The cause (the carry made by `jnp.zeros` in this file) and its fix.
+        assert re.search(r"made by `broadcast_in_dim` at .*test_coverage", advice)
+        assert "Cast that array to the compute dtype where it is made" in advice
+        assert "keep fewer leaves" not in advice
+        # Printed at the top of the table, after the share it explains.
+        lines = str(report).splitlines()
+        assert lines[0].startswith("matmul/conv FLOPs in low precision: ")
+        assert lines[2] == "" and lines[3].startswith("advice: Only ")
+        paragraph = lines[3 : lines.index("", 3)]
+        assert " ".join(paragraph) == f"advice: {advice}"
+    assert shares == [0.2, 0.33]
+
+
+def test_an_instance_is_advised_after_a_well_cast_one_of_its_class():
+    fixed, wide = _rnn(8, carry_in_input_dtype=True), _rnn(8)
+    assert _report(eqx_amp.filter_amp(fixed), _XS[0]).advice == ""
+    advice = _report(eqx_amp.filter_amp(wide), _XS[0]).advice
+    assert "Only 33% of the matmul/convolution FLOPs of _RNN run in bfloat16" in advice
+    # The decorator form and `jax.vmap` name the model too; nothing is remembered.
+    decorated = eqx_amp.filter_amp(policy="mixed_bfloat16")(wide)
+    assert "FLOPs of _RNN run in" in _report(decorated, _XS[0]).advice
+    batched = jax.vmap(eqx_amp.filter_amp(wide))
+    report = _report(batched, _XS)
+    assert _share(report.advice) == pytest.approx(report.low_precision_share, abs=0.01)
+
+
+def test_a_bimodel_is_advised_by_its_model_name():
+    bimodel = eqx_amp.BiModel(_rnn(8))
+    advice = _report(bimodel, _XS[0]).advice
+    assert "Only 33% of the matmul/convolution FLOPs of _RNN run in bfloat16" in advice
+
+
+def test_no_advice_where_there_is_nothing_to_fix():
+    # Not mixed precision: no half-precision value anywhere.
+    assert _report(_rnn(8), _XS[0]).advice == ""
+    # Under `autocast` every matmul reads the compute dtype but those its rules keep.
+    assert _report(eqx_amp.autocast(_rnn(8)), _XS[0]).advice == ""
+    kept = eqx_amp.autocast(_rnn(8), rules={jax.lax.dot_general_p: eqx_amp.rules.FULL})
+    report = _report(kept, _XS[0])
+    assert report.low_precision_share == 0.0 and report.advice == ""
+
+
+class _SpectralBatchNormNet(eqx.Module):
+    spectral: eqx.nn.SpectralNorm
+    norm: eqx.nn.BatchNorm
+    head: eqx.nn.Linear
+
+    def __call__(self, x, state):
+        x, state = self.spectral(x, state)
+        x, state = self.norm(x, state)
+        return self.head(x), state
+
+
+def _spectral_net():
+    key1, key2, key3 = jax.random.split(jax.random.key(0), 3)
+    linear = eqx.nn.Linear(8, 8, key=key1)
+    return eqx.nn.make_with_state(_SpectralBatchNormNet)(
+        eqx.nn.SpectralNorm(linear, "weight", key=key2),
+        eqx.nn.BatchNorm(8, "batch", mode="batch"),
+        eqx.nn.Linear(8, 32, key=key3),
+    )
+
+
+def test_spectral_norm_is_named_as_the_cause_and_keeping_it_fixes_it():
+    model, state = _spectral_net()
+    x = jnp.ones((4, 8))
+
+    def batched(amp):
+        return jax.vmap(amp, in_axes=(0, None), out_axes=(0, None), axis_name="batch")
+
+    advice = _report(batched(eqx_amp.filter_amp(model)), x, state).advice
+    assert "FLOPs of _SpectralBatchNormNet run in bfloat16" in advice
+    assert (
+        "`eqx.nn.SpectralNorm` makes its result float32 from its own float32 state"
+        in advice
+    )
+    assert "eqx_amp.keep(model, eqx.nn.SpectralNorm)" in advice
+    assert (
+        "keep fewer leaves" not in advice and "keep(model, eqx.nn.Batch" not in advice
+    )
+    # The fix it gives works: no advice, and most FLOPs in bfloat16.
+    spec = eqx_amp.keep(model, eqx.nn.SpectralNorm)
+    report = _report(batched(eqx_amp.filter_amp(model, filter_spec=spec)), x, state)
+    assert report.advice == "" and report.low_precision_share > 0.5
+
+
+def test_a_call_traces_the_function_once_and_warns_of_nothing():
+    """The coverage is the report's to measure: `filter_amp`'s call traces the
+    user's function once, as the function alone would be, under `jit` and
+    concretely, and says nothing of a model the report would advise on."""
+    traces = []
+
+    class CountsTraces(eqx.Module):
+        rnn: _RNN
+
+        def __call__(self, xs):
+            traces.append(None)
+            return self.rnn(xs)
+
+    amp = eqx_amp.filter_amp(CountsTraces(_rnn(8)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with jax.numpy_dtype_promotion("standard"):
+            jax.make_jaxpr(amp)(_XS[0])
+            assert len(traces) == 1
+            eqx.filter_jit(amp)(_XS[0])
+            assert len(traces) == 2
+            amp(_XS[0])  # concrete arrays
+            assert len(traces) == 3
+            eqx.filter_jit(eqx_amp.BiModel(CountsTraces(_rnn(8))))(_XS[0])
+            assert len(traces) == 4
