@@ -212,8 +212,8 @@ def bimodel(dtype: str):
 
         def step(state, batch):
             bm, opt_state, loss_scale = state
-            (loss, grads), loss_scale, finite = bm.value_and_grad(loss_fn)(
-                *batch, loss_scale=loss_scale
+            (loss, grads), loss_scale, finite = eqx_amp.filter_value_and_grad(loss_fn)(
+                bm, *batch, loss_scale=loss_scale
             )
             updates, new_opt_state = optimizer.update(
                 grads, opt_state, _params(bm.master)

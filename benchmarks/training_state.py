@@ -12,8 +12,8 @@ Configurations (AdamW; bfloat16 compute in all but `f32 Adam`):
     bfloat16 compute copy, float32 moments.
 - `master_weights`: a bfloat16 model, `eqx_amp.optim.master_weights(optax.adamw(...))`:
     the float32 master lives in the optimizer state.
-- `bf16 + Kahan, bf16 moments`: `BiModel(model, policy="p=bf16,c=bf16,o=f32",
-    compensation="kahan")` and `low_precision_moments(adamw, "bfloat16")`.
+- `bf16 + Kahan, bf16 moments`: a bfloat16 model, `optax.chain(low_precision_moments(
+    adamw, "bfloat16"), kahan_summation())`, `eqx_amp.optim.apply_updates`.
 - `bf16 + SR, 8-bit moments`: a bfloat16 model, `optax.chain(low_precision_moments(
     adamw, "8bit"), stochastic_rounding(key))`, `eqx_amp.optim.apply_updates`.
 
@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
 import optax  # noqa: E402
-from _models import PRESETS, LEARNING_RATE, cross_entropy, make_task  # noqa: E402
+from _models import LEARNING_RATE, PRESETS, cross_entropy, make_task  # noqa: E402
 
 import eqx_amp  # noqa: E402
 
@@ -76,9 +76,9 @@ def configurations() -> list[Config]:
 
         return Config(name, start, update, lambda m: m, policy)
 
-    def bimodel(policy, optimizer, name, **options):
+    def bimodel(policy, optimizer, name):
         def start(model):
-            held = eqx_amp.BiModel(model, policy=policy, **options)
+            held = eqx_amp.BiModel(model, policy=policy)
             return held, optimizer.init(_trainable(held.master))
 
         def update(held, opt_state, grads):
@@ -101,14 +101,17 @@ def configurations() -> list[Config]:
         Config(
             "master_weights",
             master_start,
-            lambda m, s, g: master.update(g, s, m),
+            lambda m, s, g: _applied(m, *master.update(g, s, m)),
             lambda m: m,
         ),
-        bimodel(
+        optax_on(
+            jnp.bfloat16,
+            optax.chain(
+                eqx_amp.optim.low_precision_moments(adamw(), "bfloat16"),
+                eqx_amp.optim.kahan_summation(),
+            ),
             BF16_MASTER,
-            eqx_amp.optim.low_precision_moments(adamw(), "bfloat16"),
             "bf16 + Kahan, bf16 moments",
-            compensation="kahan",
         ),
         optax_on(
             jnp.bfloat16,
@@ -119,6 +122,10 @@ def configurations() -> list[Config]:
             name="bf16 + SR, 8-bit moments",
         ),
     ]
+
+
+def _applied(model, updates, opt_state):
+    return eqx_amp.optim.apply_updates(model, updates), opt_state
 
 
 def bytes_per_weight(held, opt_state) -> float:

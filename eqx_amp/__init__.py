@@ -30,6 +30,7 @@ from ._loss_scale import StaticLossScale as StaticLossScale
 from ._loss_scale import all_finite as all_finite
 from ._loss_scale import select_tree as select_tree
 from ._loss_scaling import loss_scaling as loss_scaling
+from ._loss_scaling import scaled_grad as scaled_grad
 from ._loss_scaling import scaled_value_and_grad as scaled_value_and_grad
 from ._nonfinite import find_nonfinite as find_nonfinite
 from ._policy import Policy as Policy

@@ -17,14 +17,13 @@ the whole model from the two.
 
 import functools as ft
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any, Generic, ParamSpec, Self, TypeVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import PRNGKeyArray, PyTree
+from jaxtyping import PyTree
 
 from ._cast import (
     KEEP_OR_RESCALE,
@@ -39,21 +38,10 @@ from ._cast import (
 from ._filter_amp import filter_amp, fp8_selection
 from ._filters import FilterSpec, default_filter_spec, selection_mask
 from ._fp8 import Fp8Rule
-from ._grad import filter_grad, filter_value_and_grad
+from ._grad import GradThrough
 from ._policy import Policy, resolve_policy
-from ._rounding import (
-    COMPENSATIONS,
-    Compensation,
-    check_compensated_dtype,
-    check_key,
-    kahan_add,
-    key_impl,
-    raw_key_data,
-    stochastic_round,
-    wrap_key,
-)
 from ._updates import add_in_float32, is_none, paired_leaves
-from ._wrapper import check_callable, user_stacklevel
+from ._wrapper import user_stacklevel
 
 
 _P = ParamSpec("_P")
@@ -70,7 +58,7 @@ _COMPUTE_MISMATCH = (
 )
 
 
-class BiModel(eqx.Module, Generic[_P, _T]):
+class BiModel(GradThrough, Generic[_P, _T]):
     """A model held twice: float32 master weights for the optimiser, and a
     half-precision compute copy for the forward and backward passes.
 
@@ -81,19 +69,21 @@ class BiModel(eqx.Module, Generic[_P, _T]):
     never cast, and floating outputs are cast to the output dtype. The compute copy
     is already cast, so the call casts no weights.
 
-    Gradients are taken with respect to the compute copy (`value_and_grad`, `grad`,
-    or any transform applied through `with_compute`), so the backward pass builds a
-    half-precision gradient tree. The intended training step:
+    Gradients are taken with respect to the compute copy: pass the `BiModel` as the
+    differentiated argument of any of eqx_amp's gradient functions
+    (`filter_value_and_grad`, `filter_grad`, `scaled_value_and_grad`,
+    `scaled_grad`), or apply any transform through `with_compute`. The backward pass
+    builds a half-precision gradient tree, which the loss scale unscales to float32.
+    The intended training step (the float16 short form):
 
-    1. `bimodel.value_and_grad(loss_fn)(x, y, loss_scale=ls)`: gradients with
-        respect to the compute copy, computed in half precision and unscaled to
-        float32 by the loss scale;
-    2. `optimizer.update(grads, opt_state, eqx.filter(bimodel.master,
-        eqx.is_inexact_array))`: float32 updates against the float32 master;
+    1. `(loss, grads), opt_state = loss_fn(bimodel, x, y, opt_state=opt_state)`
+        with `loss_fn` decorated by `eqx_amp.scaled_value_and_grad`: float32
+        gradients with the structure of `master`;
+    2. `optim.update(grads, opt_state, eqx.filter(bimodel.master,
+        eqx.is_inexact_array))`: float32 updates against the float32 master
+        (`optim = eqx_amp.loss_scaling(optax.adam(...))` skips non-finite steps);
     3. `bimodel.apply_updates(updates)`: adds them to the master and casts the new
-        master to the compute copy;
-    4. `eqx_amp.select_tree(grads_finite, ...)` to skip a step whose gradients are
-        not finite (or `optax.apply_if_finite`).
+        master to the compute copy.
 
     Invariant: `bimodel.compute` equals the master cast to the compute dtype (the
     spec-selected leaves), bit for bit, after every step.
@@ -126,24 +116,19 @@ class BiModel(eqx.Module, Generic[_P, _T]):
 
     ```python
     bimodel = eqx_amp.BiModel(model, policy="mixed_float16")
-    optimizer = optax.adam(1e-3)
-    opt_state = optimizer.init(eqx.filter(bimodel.master, eqx.is_inexact_array))
+    optim = eqx_amp.loss_scaling(optax.adam(1e-3))
+    opt_state = optim.init(eqx.filter(bimodel.master, eqx.is_inexact_array))
 
+    @eqx_amp.scaled_value_and_grad
     def loss_fn(model, x, y):  # `model` is the BiModel: call it like the model
         return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
     @eqx.filter_jit
-    def step(bimodel, opt_state, loss_scale, x, y):
-        (loss, grads), loss_scale, grads_finite = bimodel.value_and_grad(loss_fn)(
-            x, y, loss_scale=loss_scale
-        )
+    def step(bimodel, opt_state, x, y):
+        (loss, grads), opt_state = loss_fn(bimodel, x, y, opt_state=opt_state)
         params = eqx.filter(bimodel.master, eqx.is_inexact_array)
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        new_bimodel = bimodel.apply_updates(updates)
-        bimodel, opt_state = eqx_amp.select_tree(
-            grads_finite, (new_bimodel, new_opt_state), (bimodel, opt_state)
-        )
-        return bimodel, opt_state, loss_scale, loss
+        updates, opt_state = optim.update(grads, opt_state, params)
+        return bimodel.apply_updates(updates), opt_state, loss
     ```
     """
 
@@ -167,12 +152,6 @@ class BiModel(eqx.Module, Generic[_P, _T]):
     _fp8_selected: tuple[bool, ...] | None = eqx.field(
         static=True, default=None, repr=False
     )
-    compensation: Compensation | None = eqx.field(static=True, default=None)
-    # Kahan: one buffer per leaf of `master`, of the master's dtype where it is
-    # bfloat16 and `None` elsewhere. Stochastic rounding: the raw key data.
-    _kahan: tuple[Any, ...] | None = eqx.field(default=None, repr=False)
-    _rounding_key: Any = eqx.field(default=None, repr=False)
-    _key_impl: str | None = eqx.field(static=True, default=None, repr=False)
 
     def __init__(
         self,
@@ -182,8 +161,6 @@ class BiModel(eqx.Module, Generic[_P, _T]):
         filter_spec: FilterSpec | None = None,
         fp8: Fp8Rule | None = None,
         fp8_filter: Callable[[eqx.Module], bool] | None = None,
-        compensation: Compensation | None = None,
-        key: PRNGKeyArray | None = None,
     ):
         if isinstance(model, BiModel):
             raise TypeError(_NESTED_BIMODEL)
@@ -210,11 +187,7 @@ class BiModel(eqx.Module, Generic[_P, _T]):
         self.fp8 = fp8
         self.fp8_filter = fp8_filter
         self._fp8_selected = _fp8_selection(model, fp8_filter)
-        self.compensation = compensation
-        self._kahan, self._rounding_key = _compensation_state(
-            master, policy, compensation, key
-        )
-        self._key_impl = None if key is None else key_impl(key)
+        _warn_if_master_is_half(policy)
 
     @property
     def compute(self) -> PyTree:
@@ -322,154 +295,29 @@ class BiModel(eqx.Module, Generic[_P, _T]):
         one is too large for the compute dtype.
         """
         pairs = paired_leaves(updates, self.master, "bimodel.master")
-        # Updates may stop above the leaves (`None` for a whole submodule); the
-        # compensation buffers are per leaf, so work on the master's leaves.
-        update_def = jtu.tree_structure(updates, is_leaf=is_none)
-        master_leaves, master_def = jtu.tree_flatten(self.master)
-        leaf_updates = [
-            None if u is _NO_UPDATE else u
-            for u in jtu.tree_leaves(
-                update_def.unflatten(
-                    [
-                        jtu.tree_map(lambda _: _NO_UPDATE, part) if u is None else u
-                        for u, part in pairs
-                    ]
-                )
-            )
-        ]
-        wide = [
-            leaf if u is None else add_in_float32(leaf, u)
-            for u, leaf in zip(leaf_updates, master_leaves)
-        ]
-        _check_master_fits(
-            jtu.tree_unflatten(master_def, wide), self.policy, updated=True
+        master = jtu.tree_unflatten(
+            jtu.tree_structure(updates, is_leaf=is_none),
+            [part if u is None else add_in_float32(part, u) for u, part in pairs],
         )
-        new_leaves, kahan, rounding_key = self._round_to_master(
-            leaf_updates, master_leaves, wide
-        )
+        wide_leaves, master_def = jtu.tree_flatten(master)
+        _check_master_fits(master, self.policy, updated=True)
+        new_leaves = [
+            total if total is leaf else total.astype(leaf.dtype)
+            for total, leaf in zip(wide_leaves, jtu.tree_leaves(self.master))
+        ]
         master = jtu.tree_unflatten(master_def, new_leaves)
         _warn_if_compute_overflows(master, self.policy, self.filter_spec)
-
         compute_only = tuple(
             None if own is None else leaf.astype(own.dtype)
             for own, leaf in zip(self._compute_only, new_leaves)
         )
-        new = self._replace(master, compute_only)
-        if self.compensation is None:
-            return new
-        return eqx.tree_at(
-            lambda b: (b._kahan, b._rounding_key),
-            new,
-            (kahan, rounding_key),
-            is_leaf=is_none,
-        )
+        return self._replace(master, compute_only)
 
-    def _round_to_master(
-        self, updates: list, master: list, wide: list
-    ) -> tuple[list, tuple | None, Any]:
-        """The new master leaves: each `wide` sum rounded once to its leaf's dtype,
-        by the compensation this `BiModel` keeps, with its new state."""
-        if self.compensation == "kahan":
-            assert self._kahan is not None
-            new, kahan = [], []
-            for update, leaf, buffer, total in zip(updates, master, self._kahan, wide):
-                if update is None or buffer is None:
-                    new.append(total if total is leaf else total.astype(leaf.dtype))
-                    kahan.append(buffer)
-                else:
-                    leaf, buffer = kahan_add(leaf, update, buffer)
-                    new.append(leaf)
-                    kahan.append(buffer)
-            return new, tuple(kahan), self._rounding_key
-        if self.compensation == "stochastic":
-            next_key, step_key = jax.random.split(
-                wrap_key(self._rounding_key, self._key_impl)
-            )
-            keys = jax.random.split(step_key, max(len(master), 1))
-            new = [
-                stochastic_round(total, leaf.dtype, k)
-                if update is not None and _compensated(leaf)
-                else (total if total is leaf else total.astype(leaf.dtype))
-                for update, leaf, total, k in zip(updates, master, wide, keys)
-            ]
-            return new, self._kahan, jax.random.key_data(next_key)
-        new = [
-            total if total is leaf else total.astype(leaf.dtype)
-            for leaf, total in zip(master, wide)
-        ]
-        return new, self._kahan, self._rounding_key
-
-    def value_and_grad(
-        self,
-        fun: Callable,
-        *,
-        has_aux: bool = False,
-        redo_on_nan: int = 0,
-        axis_name: Hashable | None = None,
-        average: bool = True,
-    ) -> Callable:
-        """`eqx_amp.filter_value_and_grad` with respect to the compute copy.
-
-        **Arguments:**
-
-        - `fun`: a loss `fun(model, *args, **kwargs)`; `model` is this `BiModel`
-            (call it like the original model). Gradients flow through its compute
-            copy.
-        - `has_aux`, `redo_on_nan`, `axis_name`, `average`: as for
-            `eqx_amp.filter_value_and_grad`.
-
-        **Returns:**
-
-        A function `g(*args, loss_scale, **kwargs)` (the model is bound) returning
-        `((value, grads), new_loss_scale, grads_finite)`. `grads` has the structure
-        of `master` (`None` for non-floating leaves). The backward pass computes the
-        gradients of the cast leaves in the compute dtype; the loss scale unscales
-        them into float32, ready for an optax update against the master.
-
-        **Example:**
-
-        ```python
-        (loss, grads), loss_scale, grads_finite = bimodel.value_and_grad(
-            loss_fn, redo_on_nan=2
-        )(x, y, loss_scale=loss_scale)
-        ```
-        """
-        check_callable(fun, "BiModel.value_and_grad")
-        options = dict(
-            has_aux=has_aux,
-            redo_on_nan=redo_on_nan,
-            axis_name=axis_name,
-            average=average,
-        )
-        return self._on_compute(filter_value_and_grad, fun, options)
-
-    def grad(
-        self,
-        fun: Callable,
-        *,
-        has_aux: bool = False,
-        redo_on_nan: int = 0,
-        axis_name: Hashable | None = None,
-        average: bool = True,
-    ) -> Callable:
-        """`eqx_amp.filter_grad` with respect to the compute copy: `value_and_grad`
-        without the value. The returned `g(*args, loss_scale, **kwargs)` gives
-        `(grads, new_loss_scale, grads_finite)` (`((grads, aux), ...)` with
-        `has_aux=True`)."""
-        check_callable(fun, "BiModel.grad")
-        options = dict(
-            has_aux=has_aux,
-            redo_on_nan=redo_on_nan,
-            axis_name=axis_name,
-            average=average,
-        )
-        return self._on_compute(filter_grad, fun, options)
-
-    def _on_compute(
-        self, transform: Callable, fun: Callable, options: dict
-    ) -> Callable:
-        # The compute copy is bound as the differentiated first argument.
-        return eqx.Partial(transform(_OnCompute(fun, self), **options), self.compute)
+    def grad_target(self) -> tuple[PyTree, Callable[[PyTree], "BiModel"]]:
+        """What the gradient functions differentiate: the compute copy (gradients
+        of the cast leaves in the compute dtype, the memory saving), rebuilt into a
+        `BiModel` with `with_compute`. The master is a constant of the loss."""
+        return self.compute, self.with_compute
 
     def _replace(self, master: PyTree, compute_only: PyTree) -> Self:
         # Not through `__init__`: the parts are already in their dtypes, and
@@ -551,83 +399,23 @@ def _warn_if_compute_overflows(
 
 
 # Stands for "no update" at every leaf under a `None` of `updates`.
-_NO_UPDATE = object()
 
 
-def _compensated(leaf: Any) -> bool:
-    return is_floating_array(leaf) and leaf.dtype.itemsize < 4
-
-
-def _compensation_state(
-    master: PyTree,
-    policy: Policy,
-    compensation: Compensation | None,
-    key: PRNGKeyArray | None,
-) -> tuple[tuple[Any, ...] | None, Any]:
-    """The Kahan buffers or the rounding key a new `BiModel` starts with."""
+def _warn_if_master_is_half(policy: Policy) -> None:
     dtype = policy.param_dtype
-    if compensation is None:
-        if key is not None:
-            raise ValueError(
-                '`key` is for `compensation="stochastic"`, but no compensation '
-                "was asked for."
-            )
-        if is_half_dtype(dtype):
-            fix = (
-                'Pass `compensation="kahan"` or `compensation="stochastic"`, or keep '
-                "a float32 master."
-                if dtype == jnp.bfloat16
-                else 'Keep a float32 master (`policy="mixed_float16"`).'
-            )
-            warnings.warn(
-                f"The master weights are stored in {dtype.name} without "
-                "compensation: an update smaller than about "
-                f"2^-{jnp.finfo(dtype).nmant + 2} of its weight rounds away, so "
-                f"training stalls once the steps are small. {fix}",
-                stacklevel=user_stacklevel(),
-            )
-        return None, None
-    if compensation not in COMPENSATIONS:
-        raise ValueError(
-            "`compensation` must be one of "
-            f"{', '.join(map(repr, COMPENSATIONS))} or None, but got "
-            f"{compensation!r}."
-        )
-    check_compensated_dtype(dtype, "The policy")
     if not is_half_dtype(dtype):
-        raise ValueError(
-            f"`compensation={compensation!r}` is for a bfloat16 master, but the "
-            f"policy keeps the master in {dtype.name}, which loses no updates. For "
-            'a bfloat16 master use a policy such as `"p=bf16,c=bf16,o=f32"`.'
-        )
-    if compensation == "stochastic":
-        if key is None:
-            raise TypeError(
-                '`compensation="stochastic"` needs a PRNG key to draw its '
-                "roundings from: `BiModel(..., key=jax.random.key(0))`."
-            )
-        check_key(key, '`compensation="stochastic"`')
-        return None, jnp.array(raw_key_data(key), copy=True)
-    if key is not None:
-        raise ValueError('`key` is for `compensation="stochastic"`, not "kahan".')
-    kahan = tuple(
-        jnp.zeros_like(leaf) if _compensated(leaf) else None
-        for leaf in jtu.tree_leaves(master)
+        return
+    fix = (
+        "For bfloat16 weights with compensated updates, train the model itself with "
+        "`optax.chain(optimizer, eqx_amp.optim.kahan_summation())` (or "
+        "`stochastic_rounding(key)`) and `eqx_amp.optim.apply_updates`; or keep a "
+        "float32 master."
+        if dtype == jnp.bfloat16
+        else 'Keep a float32 master (`policy="mixed_float16"`).'
     )
-    return kahan, None
-
-
-class _OnCompute(eqx.Module):
-    """`fun` as a function of the compute copy: `fun(bimodel.with_compute(c), ...)`.
-    The `BiModel` is a field, so its master is a constant of the differentiated
-    function, not an argument."""
-
-    fun: Callable
-    bimodel: BiModel
-
-    @property
-    def __wrapped__(self):
-        return self.fun
-
-    def __call__(self, compute, *args, **kwargs):
-        return self.fun(self.bimodel.with_compute(compute), *args, **kwargs)
+    warnings.warn(
+        f"The master weights are stored in {dtype.name}: an update smaller than "
+        f"about 2^-{jnp.finfo(dtype).nmant + 2} of its weight rounds away, so "
+        f"training stalls once the steps are small. {fix}",
+        stacklevel=user_stacklevel(),
+    )

@@ -1,10 +1,11 @@
 """Gradients with loss scaling: `filter_value_and_grad` and `filter_grad`."""
 
+import abc
 import functools as ft
 import inspect
 import operator
 from collections.abc import Callable, Hashable
-from typing import Any, Literal, NamedTuple, TypeAlias, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeAlias, cast, overload
 
 import equinox as eqx
 import jax
@@ -47,6 +48,33 @@ _LOSS_NOT_ARRAY = (
     "`fun` returned {}.{}"
 )
 _HINT_HAS_AUX = " If `fun` returns `(loss, aux)`, pass `has_aux=True`."
+
+
+class GradThrough(eqx.Module):
+    """A first argument differentiated through a part of itself: a `BiModel` is
+    differentiated through its compute copy (the half-precision gradients are the
+    memory saving), and its gradients have the structure of that part."""
+
+    @abc.abstractmethod
+    def grad_target(self) -> tuple[PyTree, Callable[[PyTree], Any]]:
+        """`(target, rebuild)`: the tree to differentiate, and a function that
+        rebuilds this argument from a stand-in for it (a tracer, under `grad`)."""
+
+
+class ScaledOptions(NamedTuple):
+    """The options every scaled-gradient function takes, checked."""
+
+    has_aux: bool
+    redo_on_nan: int
+    axis_name: Hashable | None
+    average: bool
+
+
+def scaled_options(
+    has_aux: Any, redo_on_nan: Any, axis_name: Any, average: Any
+) -> ScaledOptions:
+    redo_on_nan = _check_options(has_aux, redo_on_nan, axis_name, average)
+    return ScaledOptions(bool(has_aux), redo_on_nan, axis_name, bool(average))
 
 
 #
@@ -240,57 +268,73 @@ def _redo_until_finite(attempt: Callable, loss_scale: AbstractLossScale, redo: i
 
 class _ScaledValueAndGradWrapper(FunctionWrapper):
     fn: Callable
-    _has_aux: bool = eqx.field(static=True)
-    _redo_on_nan: int = eqx.field(static=True)
-    _axis_name: Hashable | None = eqx.field(static=True)
-    _average: bool = eqx.field(static=True)
+    options: ScaledOptions = eqx.field(static=True)
 
     @property
     def __signature__(self) -> inspect.Signature:
         return _signature_with_loss_scale(self.fn)
 
     def __call__(self, /, *args, loss_scale: AbstractLossScale = _sentinel, **kwargs):
-        step = self.step(args, kwargs, loss_scale)
-        return (step.value, step.grads), step.new_loss_scale, step.grads_finite
-
-    def step(
-        self, args: tuple, kwargs: dict, loss_scale: AbstractLossScale
-    ) -> "ScaledStep":
-        """One differentiation, with everything it learnt about the scale."""
         if loss_scale is _sentinel:
             raise TypeError(_MISSING_LOSS_SCALE)
-        if not isinstance(loss_scale, AbstractLossScale):
-            raise TypeError(
-                "`loss_scale` must be an `eqx_amp.AbstractLossScale` (such as "
-                "`eqx_amp.DynamicLossScale()`), but got "
-                f"{type(loss_scale).__name__}."
-            )
-        if len(args) == 0:
-            raise TypeError(_NO_POSITIONAL)
-        x, *rest = args
-        attempt = ft.partial(
-            _value_and_scaled_grad,
-            self.fn,
-            self._has_aux,
-            self._axis_name,
-            self._average,
-            x,
-            tuple(rest),
-            kwargs,
+        step = scaled_step(self.fn, self.options, args, kwargs, loss_scale)
+        return (step.value, step.grads), step.new_loss_scale, step.grads_finite
+
+
+def scaled_step(
+    fun: Callable,
+    options: ScaledOptions,
+    args: tuple,
+    kwargs: dict,
+    loss_scale: AbstractLossScale,
+) -> "ScaledStep":
+    """The one scaled differentiation every gradient function runs: the value,
+    unscaled gradients, whether they are finite, the scale that produced them and
+    that scale adjusted (after at most `redo_on_nan` retries)."""
+    if not isinstance(loss_scale, AbstractLossScale):
+        raise TypeError(
+            "`loss_scale` must be an `eqx_amp.AbstractLossScale` (such as "
+            f"`eqx_amp.DynamicLossScale()`), but got {type(loss_scale).__name__}."
         )
-        # Recomputing with a scale that `adjust` does not change would give the same
-        # non-finite gradients again.
-        if self._redo_on_nan == 0 or loss_scale.is_fixed:
-            value, aux, grads, grads_finite = attempt(loss_scale)
-            new_loss_scale = loss_scale.adjust(grads_finite)
-            used_loss_scale = loss_scale
-        else:
-            (value, aux, grads, grads_finite), new_loss_scale, used_loss_scale = (
-                _redo_until_finite(attempt, loss_scale, self._redo_on_nan)
-            )
-        if self._has_aux:
-            value = (value, aux)
-        return ScaledStep(value, grads, grads_finite, used_loss_scale, new_loss_scale)
+    if len(args) == 0:
+        raise TypeError(_NO_POSITIONAL)
+    x, *rest = args
+    if isinstance(x, GradThrough):
+        x, rebuild = x.grad_target()
+        fun = _Rebuilding(fun, rebuild)
+    attempt = ft.partial(
+        _value_and_scaled_grad,
+        fun,
+        options.has_aux,
+        options.axis_name,
+        options.average,
+        x,
+        tuple(rest),
+        kwargs,
+    )
+    # Recomputing with a scale that `adjust` does not change would give the same
+    # non-finite gradients again.
+    if options.redo_on_nan == 0 or loss_scale.is_fixed:
+        value, aux, grads, grads_finite = attempt(loss_scale)
+        new_loss_scale = loss_scale.adjust(grads_finite)
+        used_loss_scale = loss_scale
+    else:
+        (value, aux, grads, grads_finite), new_loss_scale, used_loss_scale = (
+            _redo_until_finite(attempt, loss_scale, options.redo_on_nan)
+        )
+    if options.has_aux:
+        value = (value, aux)
+    return ScaledStep(value, grads, grads_finite, used_loss_scale, new_loss_scale)
+
+
+class _Rebuilding(eqx.Module):
+    """`fun` of the argument `rebuild` makes from the differentiated part."""
+
+    fun: Callable
+    rebuild: Callable
+
+    def __call__(self, target, *args, **kwargs):
+        return self.fun(self.rebuild(target), *args, **kwargs)
 
 
 class ScaledStep(NamedTuple):
@@ -303,28 +347,24 @@ class ScaledStep(NamedTuple):
     used_loss_scale: AbstractLossScale
     new_loss_scale: AbstractLossScale
 
+    def grads_and_aux(self, options: ScaledOptions) -> Any:
+        """What a grad-only function returns: `grads`, or `(grads, aux)`."""
+        return (self.grads, self.value[1]) if options.has_aux else self.grads
+
 
 class _ScaledGradWrapper(FunctionWrapper):
-    # A field is an instance attribute: `self.fn` is the wrapper itself. The checker
-    # takes it for a method (`fn` is a `Callable` in the base class) bound on access
-    # by `FunctionWrapper.__get__`, to an `eqx.Partial`.
-    fn: _ScaledValueAndGradWrapper  # pyright: ignore[reportIncompatibleMethodOverride]
-    _has_aux: bool = eqx.field(static=True)
-
-    @property
-    def __wrapped__(self):
-        return self.fn.__wrapped__  # pyright: ignore[reportFunctionMemberAccess]
+    fn: Callable
+    options: ScaledOptions = eqx.field(static=True)
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return self.fn.__signature__  # pyright: ignore[reportFunctionMemberAccess]
+        return _signature_with_loss_scale(self.fn)
 
-    def __call__(self, /, *args, **kwargs):
-        (value, grads), new_loss_scale, grads_finite = self.fn(*args, **kwargs)
-        if self._has_aux:
-            _, aux = value
-            return (grads, aux), new_loss_scale, grads_finite
-        return grads, new_loss_scale, grads_finite
+    def __call__(self, /, *args, loss_scale: AbstractLossScale = _sentinel, **kwargs):
+        if loss_scale is _sentinel:
+            raise TypeError(_MISSING_LOSS_SCALE)
+        step = scaled_step(self.fn, self.options, args, kwargs, loss_scale)
+        return step.grads_and_aux(self.options), step.new_loss_scale, step.grads_finite
 
 
 def _signature_with_loss_scale(fun: Callable) -> inspect.Signature:
@@ -345,6 +385,14 @@ def _signature_with_loss_scale(fun: Callable) -> inspect.Signature:
     var_keyword = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
     params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
     return signature.replace(parameters=[*params, loss_scale, *var_keyword])
+
+
+def check_decorated(fun: Any, transform: str) -> None:
+    if not callable(fun):
+        raise TypeError(
+            f"`fun` must be callable, but got {type(fun).__name__}. Use "
+            f"`{transform}(fun, ...)` or `@{transform}(has_aux=...)`."
+        )
 
 
 def _check_options(
@@ -373,7 +421,12 @@ def _check_options(
     return redo_on_nan
 
 
-_Grads: TypeAlias = PyTree[Float[Array, "..."] | None]
+# The gradients: the differentiated argument's structure, float arrays or `None`.
+# Type checkers read jaxtyping's `PyTree` as unknown, so they are told `Any`.
+if TYPE_CHECKING:
+    Grads: TypeAlias = Any
+else:
+    Grads = PyTree[Float[Array, "..."] | None]
 
 
 @overload
@@ -386,7 +439,7 @@ def filter_value_and_grad(
 ) -> Callable[
     [Callable[..., Float[Array, ""]]],
     Callable[
-        ..., tuple[tuple[Float[Array, ""], _Grads], AbstractLossScale, Bool[Array, ""]]
+        ..., tuple[tuple[Float[Array, ""], Grads], AbstractLossScale, Bool[Array, ""]]
     ],
 ]: ...
 
@@ -403,7 +456,7 @@ def filter_value_and_grad(
     Callable[
         ...,
         tuple[
-            tuple[tuple[Float[Array, ""], Any], _Grads],
+            tuple[tuple[Float[Array, ""], Any], Grads],
             AbstractLossScale,
             Bool[Array, ""],
         ],
@@ -420,7 +473,7 @@ def filter_value_and_grad(
     axis_name: Hashable | None = None,
     average: bool = True,
 ) -> Callable[
-    ..., tuple[tuple[Float[Array, ""], _Grads], AbstractLossScale, Bool[Array, ""]]
+    ..., tuple[tuple[Float[Array, ""], Grads], AbstractLossScale, Bool[Array, ""]]
 ]: ...
 
 
@@ -435,7 +488,7 @@ def filter_value_and_grad(
 ) -> Callable[
     ...,
     tuple[
-        tuple[tuple[Float[Array, ""], Any], _Grads], AbstractLossScale, Bool[Array, ""]
+        tuple[tuple[Float[Array, ""], Any], Grads], AbstractLossScale, Bool[Array, ""]
     ],
 ]: ...
 
@@ -543,25 +596,11 @@ def filter_value_and_grad(
         return model, opt_state, loss_scale, loss
     ```
     """
-    redo_on_nan = _check_options(has_aux, redo_on_nan, axis_name, average)
+    options = scaled_options(has_aux, redo_on_nan, axis_name, average)
     if fun is _sentinel:
-        return ft.partial(
-            filter_value_and_grad,
-            has_aux=has_aux,
-            redo_on_nan=redo_on_nan,
-            axis_name=axis_name,
-            average=average,
-        )
-    if not callable(fun):
-        raise TypeError(
-            f"`fun` must be callable, but got {type(fun).__name__}. Use "
-            "`filter_value_and_grad(fun, ...)` or "
-            "`@filter_value_and_grad(has_aux=...)`."
-        )
-    wrapper = _ScaledValueAndGradWrapper(
-        fun, bool(has_aux), redo_on_nan, axis_name, bool(average)
-    )
-    return eqx.module_update_wrapper(wrapper)
+        return ft.partial(filter_value_and_grad, **options._asdict())
+    check_decorated(fun, "filter_value_and_grad")
+    return eqx.module_update_wrapper(_ScaledValueAndGradWrapper(fun, options))
 
 
 @overload
@@ -582,7 +621,7 @@ def filter_grad(
     redo_on_nan: int = 0,
     axis_name: Hashable | None = None,
     average: bool = True,
-) -> Callable[..., tuple[_Grads, AbstractLossScale, Bool[Array, ""]]]: ...
+) -> Callable[..., tuple[Grads, AbstractLossScale, Bool[Array, ""]]]: ...
 
 
 @overload
@@ -593,7 +632,7 @@ def filter_grad(
     redo_on_nan: int = 0,
     axis_name: Hashable | None = None,
     average: bool = True,
-) -> Callable[..., tuple[tuple[_Grads, Any], AbstractLossScale, Bool[Array, ""]]]: ...
+) -> Callable[..., tuple[tuple[Grads, Any], AbstractLossScale, Bool[Array, ""]]]: ...
 
 
 def filter_grad(
@@ -625,11 +664,8 @@ def filter_grad(
     grads, loss_scale, grads_finite = grad_fn(model, x, y, loss_scale=loss_scale)
     ```
     """
-    redo_on_nan = _check_options(has_aux, redo_on_nan, axis_name, average)
-    options: dict[str, Any] = dict(
-        has_aux=has_aux, redo_on_nan=redo_on_nan, axis_name=axis_name, average=average
-    )
+    options = scaled_options(has_aux, redo_on_nan, axis_name, average)
     if fun is _sentinel:
-        return ft.partial(filter_grad, **options)
-    value_and_grad = filter_value_and_grad(fun, **options)
-    return eqx.module_update_wrapper(_ScaledGradWrapper(value_and_grad, bool(has_aux)))
+        return ft.partial(filter_grad, **options._asdict())
+    check_decorated(fun, "filter_grad")
+    return eqx.module_update_wrapper(_ScaledGradWrapper(fun, options))

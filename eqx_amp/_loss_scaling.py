@@ -1,8 +1,10 @@
 """Loss scaling kept in the optimizer state: a float16 training loop three lines away
 from a float32 one, as with Keras' `LossScaleOptimizer`."""
 
+import functools as ft
+import inspect
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, Protocol, TypeVar, cast, overload
 
 import equinox as eqx
 import jax
@@ -11,7 +13,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, Bool, Int, PyTree
 
-from ._grad import filter_value_and_grad
+from ._grad import Grads, ScaledOptions, check_decorated, scaled_options, scaled_step
 from ._loss_scale import (
     AbstractLossScale,
     DynamicLossScale,
@@ -19,7 +21,7 @@ from ._loss_scale import (
     check_axis_name,
 )
 from ._optimizers import check_optimizer
-from ._wrapper import FunctionWrapper, check_callable
+from ._wrapper import FunctionWrapper
 
 
 class LossScalingState(NamedTuple):
@@ -86,7 +88,8 @@ def loss_scaling(
 
     @eqx.filter_jit
     def step(model, opt_state, x, y):
-        loss, grads = eqx_amp.scaled_value_and_grad(loss_fn, opt_state)(model, x, y)
+        grad_fn = eqx_amp.scaled_value_and_grad(loss_fn)
+        (loss, grads), opt_state = grad_fn(model, x, y, opt_state=opt_state)
         updates, opt_state = optim.update(grads, opt_state, model)
         return eqx.apply_updates(model, updates), opt_state, loss
     ```
@@ -226,53 +229,127 @@ def _with_loss_scale(opt_state: PyTree, loss_scale: AbstractLossScale) -> PyTree
     return jtu.tree_map(replace, opt_state, is_leaf=_is_state)
 
 
-class _StateScaledValueAndGrad(FunctionWrapper):
-    # An `eqx_amp.filter_value_and_grad` of the loss. Typed `Callable` (under its own
-    # type the checker would bind it like a method, as in `_ScaledGradWrapper`), it
-    # is taken for a plain function: reading its attributes waives that rule.
+_missing: Any = object()
+
+
+class _ShortForm(FunctionWrapper):
+    """`scaled_value_and_grad(fn)` and `scaled_grad(fn)`: the one scaled-gradient
+    core, with the loss scale read from (and written back to) `opt_state`."""
+
     fn: Callable
-    opt_state: PyTree
-    _returns_state: bool = eqx.field(static=True)
+    options: ScaledOptions = eqx.field(static=True)
+    value_too: bool = eqx.field(static=True)
 
     @property
-    def __wrapped__(self) -> Callable:
-        # The loss itself, whose signature this has (no `loss_scale` keyword).
-        return self.fn.__wrapped__  # pyright: ignore[reportFunctionMemberAccess]
+    def __signature__(self) -> inspect.Signature:
+        return _signature_with_opt_state(self.fn)
 
-    def __call__(self, /, *args, **kwargs):
-        loss_scale = _loss_scaling_state(self.opt_state).loss_scale
-        step = self.fn.step(args, kwargs, loss_scale)  # pyright: ignore[reportFunctionMemberAccess]
-        if not self._returns_state:
-            return step.value, step.grads
+    def __call__(self, /, *args, opt_state: PyTree = _missing, **kwargs):
+        if opt_state is _missing:
+            raise TypeError(_MISSING_OPT_STATE)
+        loss_scale = _loss_scaling_state(opt_state).loss_scale
+        step = scaled_step(self.fn, self.options, args, kwargs, loss_scale)
         # The scale that gave these gradients: `update` adjusts it by their finiteness.
-        new_state = _with_loss_scale(self.opt_state, step.used_loss_scale)
-        return (step.value, step.grads), new_state
+        new_state = _with_loss_scale(opt_state, step.used_loss_scale)
+        if self.value_too:
+            return (step.value, step.grads), new_state
+        return step.grads_and_aux(self.options), new_state
+
+
+_MISSING_OPT_STATE = (
+    "Functions wrapped with `eqx_amp.scaled_value_and_grad` or `eqx_amp.scaled_grad` "
+    "must be called with an `opt_state` keyword argument, the state of an optimizer "
+    "wrapped by `eqx_amp.loss_scaling`: `loss_fn(model, x, y, opt_state=opt_state)`."
+)
+
+
+def _signature_with_opt_state(fun: Callable) -> inspect.Signature:
+    """`fun`'s signature with a keyword-only `opt_state` added, so that
+    `eqx.filter_jit` (which binds arguments to the signature) accepts it."""
+    opt_state = inspect.Parameter("opt_state", inspect.Parameter.KEYWORD_ONLY)
+    try:
+        signature = inspect.signature(fun)
+    except (TypeError, ValueError):
+        return inspect.Signature(
+            [
+                inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+                opt_state,
+                inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+            ]
+        )
+    params = [p for p in signature.parameters.values() if p.name != "opt_state"]
+    var_keyword = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+    params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    return signature.replace(parameters=[*params, opt_state, *var_keyword])
+
+
+_S = TypeVar("_S")
+
+
+class ScaledValueAndGradFn(Protocol):
+    """What `scaled_value_and_grad` returns: the new optimizer state has the type of
+    the one given."""
+
+    def __call__(
+        self, *args: Any, opt_state: _S, **kwargs: Any
+    ) -> tuple[tuple[Any, Grads], _S]: ...
+
+
+class ScaledGradFn(Protocol):
+    """What `scaled_grad` returns."""
+
+    def __call__(
+        self, *args: Any, opt_state: _S, **kwargs: Any
+    ) -> tuple[Grads, _S]: ...
+
+
+@overload
+def scaled_value_and_grad(
+    *,
+    has_aux: bool = False,
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+    average: bool = True,
+) -> Callable[[Callable], ScaledValueAndGradFn]: ...
+
+
+@overload
+def scaled_value_and_grad(
+    fun: Callable,
+    *,
+    has_aux: bool = False,
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+    average: bool = True,
+) -> ScaledValueAndGradFn: ...
 
 
 def scaled_value_and_grad(
-    fun: Callable,
-    opt_state: PyTree,
+    fun: Callable = _missing,
     *,
     has_aux: bool = False,
     redo_on_nan: int = 0,
     axis_name: Hashable | None = None,
     average: bool = True,
 ) -> Callable:
-    """`eqx.filter_value_and_grad` with the loss scale of an optimizer wrapped by
-    `eqx_amp.loss_scaling`: the loss is multiplied by the scale in `opt_state`, and
-    the gradients are unscaled before they are returned. A drop-in for
-    `eqx.filter_value_and_grad(fun)`.
+    """`eqx.filter_value_and_grad` with the loss scale kept in the state of an
+    optimizer wrapped by `eqx_amp.loss_scaling`: the short float16 form.
+
+    The returned function is called as `g(*args, opt_state=opt_state, **kwargs)`.
+    It multiplies the loss by the scale in `opt_state`, differentiates with respect
+    to the first argument (a `BiModel`: through its compute copy), unscales the
+    gradients with that scale, and returns the new optimizer state carrying the
+    scale that produced them; `loss_scaling`'s `update` then adjusts the scale and
+    skips the step if they are not finite. It shares its core with
+    `eqx_amp.filter_value_and_grad`.
 
     **Arguments:**
 
-    - `fun`: the loss, differentiated with respect to its first argument.
-    - `opt_state`: the optimizer state (it holds a `LossScalingState`, anywhere in
-        it).
+    - `fun`: the loss, differentiated with respect to its first argument. Omit it
+        to use `scaled_value_and_grad(has_aux=True)` as a decorator.
     - `has_aux`: whether `fun` returns `(loss, aux)`.
     - `redo_on_nan`: on non-finite gradients, recompute with a backed-off scale at
         most this many more times, inside one `lax.while_loop` (compiled once).
-        Then the new optimizer state, which carries the scale that worked, is
-        returned too.
     - `axis_name`, `average`: agree on the gradients' finiteness across this
         mapped axis, and (unless `average=False`, for parameters sharded over it)
         average the gradients and the loss over it, as in
@@ -280,26 +357,91 @@ def scaled_value_and_grad(
 
     **Returns:**
 
-    A function `g(*args, **kwargs)` returning `(value, grads)` like
-    `eqx.filter_value_and_grad` (`value` is `(loss, aux)` with `has_aux`); with
-    `redo_on_nan > 0`, `((value, grads), opt_state)`. `grads` are unscaled, in
-    float32 for every half-precision leaf; the value is float32.
+    A function `g(*args, opt_state, **kwargs)` returning
+    `((value, grads), new_opt_state)`, whatever the options: `value` is the float32
+    loss (`(loss, aux)` with `has_aux`), `grads` are unscaled, in float32 for every
+    half-precision leaf, and `new_opt_state` holds the scale that produced them.
+    Pass it to the optimizer's `update`.
+
+    **Raises:**
+
+    `TypeError` for a `fun` that is not callable or a call without `opt_state`;
+    `ValueError` for an `opt_state` with no (or more than one)
+    `eqx_amp.optim.LossScalingState`, or one that `optax.apply_if_finite` wraps.
 
     **Example:**
 
     ```python
-    loss, grads = eqx_amp.scaled_value_and_grad(loss_fn, opt_state)(model, x, y)
+    @eqx_amp.scaled_value_and_grad
+    def loss_fn(model, x, y):
+        pred = jax.vmap(eqx_amp.filter_amp(model, policy="mixed_float16"))(x)
+        return jnp.mean((pred - y) ** 2)
+
+    (loss, grads), opt_state = loss_fn(model, x, y, opt_state=opt_state)
     updates, opt_state = optim.update(grads, opt_state, model)
     ```
     """
-    check_callable(fun, "scaled_value_and_grad")
-    _loss_scaling_state(opt_state)  # fails here, not at the first call
-    value_and_grad = filter_value_and_grad(
-        fun,
-        has_aux=has_aux,
-        redo_on_nan=redo_on_nan,
-        axis_name=axis_name,
-        average=average,
-    )
-    wrapper = _StateScaledValueAndGrad(value_and_grad, opt_state, redo_on_nan > 0)
-    return eqx.module_update_wrapper(wrapper)
+    options = scaled_options(has_aux, redo_on_nan, axis_name, average)
+    if fun is _missing:
+        return ft.partial(scaled_value_and_grad, **options._asdict())
+    check_decorated(fun, "scaled_value_and_grad")
+    return eqx.module_update_wrapper(_ShortForm(fun, options, value_too=True))
+
+
+@overload
+def scaled_grad(
+    *,
+    has_aux: bool = False,
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+    average: bool = True,
+) -> Callable[[Callable], ScaledGradFn]: ...
+
+
+@overload
+def scaled_grad(
+    fun: Callable,
+    *,
+    has_aux: bool = False,
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+    average: bool = True,
+) -> ScaledGradFn: ...
+
+
+def scaled_grad(
+    fun: Callable = _missing,
+    *,
+    has_aux: bool = False,
+    redo_on_nan: int = 0,
+    axis_name: Hashable | None = None,
+    average: bool = True,
+) -> Callable:
+    """`eqx.filter_grad` with the loss scale kept in the optimizer state:
+    `eqx_amp.scaled_value_and_grad` without the value.
+
+    **Arguments:**
+
+    The same as `eqx_amp.scaled_value_and_grad`.
+
+    **Returns:**
+
+    A function `g(*args, opt_state, **kwargs)` returning `(grads, new_opt_state)`,
+    or `((grads, aux), new_opt_state)` with `has_aux=True`.
+
+    **Example:**
+
+    ```python
+    @eqx_amp.scaled_grad
+    def loss_fn(model, x, y):
+        pred = jax.vmap(eqx_amp.filter_amp(model, policy="mixed_float16"))(x)
+        return jnp.mean((pred - y) ** 2)
+
+    grads, opt_state = loss_fn(model, x, y, opt_state=opt_state)
+    ```
+    """
+    options = scaled_options(has_aux, redo_on_nan, axis_name, average)
+    if fun is _missing:
+        return ft.partial(scaled_grad, **options._asdict())
+    check_decorated(fun, "scaled_grad")
+    return eqx.module_update_wrapper(_ShortForm(fun, options, value_too=False))

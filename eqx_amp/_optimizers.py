@@ -9,8 +9,7 @@ compensated updates for bfloat16 weights.
     chain for bfloat16 weights, with `eqx_amp.optim.apply_updates`.
 """
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import equinox as eqx
 import jax
@@ -41,14 +40,7 @@ from ._updates import (
 
 
 def check_optimizer(optimizer: Any, where: str) -> None:
-    """Raises unless `optimizer` is an optax optimizer whose `update` returns
-    updates (not a `MasterWeights`, whose `update` returns the new weights)."""
-    if isinstance(optimizer, MasterWeights):
-        raise TypeError(
-            f"`{where}` wraps an optax optimizer, whose `update` returns updates; "
-            "`eqx_amp.optim.master_weights(...)` returns the new weights instead, so it "
-            f"must be the outermost wrapper: `master_weights({where}(...))`."
-        )
+    """Raises unless `optimizer` is an optax optimizer."""
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise TypeError(
             f"`{where}` wraps an optax optimizer (an object with `init` and `update`, "
@@ -87,27 +79,20 @@ class MasterWeightsState(NamedTuple):
     inner_state: Any
 
 
-class MasterWeights(NamedTuple):
-    """An optimizer that keeps the master weights of a half-precision model in its
-    state: `init(params)` and `update(grads, state, params) -> (new_params,
-    new_state)`. Made by `eqx_amp.optim.master_weights`."""
-
-    init: Callable[[PyTree], MasterWeightsState]
-    update: Callable[..., tuple[PyTree, MasterWeightsState]]
-
-
 def master_weights(
     optimizer: optax.GradientTransformation, dtype: Any = jnp.float32
-) -> MasterWeights:
+) -> optax.GradientTransformationExtraArgs:
     """Trains a half-precision model with float32 master weights kept in the
     optimizer state (Optimisers.jl's `MixedPrecision`).
 
     The model itself holds bfloat16 (or float16) weights and runs as it is. The
     state holds a float32 copy of every half-precision weight; `update` casts the
     gradients to float32, runs the wrapped optimizer against the master, adds its
-    updates to the master in float32, and returns the model with its weights set
-    to the new master rounded to their dtype. There is no compute copy to keep in
-    sync: the model *is* the compute copy.
+    updates to the master in float32, and returns float32 updates that take each
+    weight exactly to the new master rounded to its dtype, through
+    `optax.apply_updates` or `eqx_amp.optim.apply_updates` (which add in float32
+    and round once; `eqx.apply_updates` would keep the float32 sum). There is no
+    compute copy to keep in sync: the model *is* the compute copy.
 
     Use it for a model already stored in half precision, or when the optimizer is
     the natural owner of precision. Use `eqx_amp.BiModel` instead to keep a float32
@@ -116,18 +101,21 @@ def master_weights(
 
     **Arguments:**
 
-    - `optimizer`: any optax optimizer (chains, schedules, `optax.MultiSteps`,
-        `eqx_amp.loss_scaling(...)` inside it: a skipped step's zero updates leave
-        the master, and so the model, as they were).
+    - `optimizer`: any optax optimizer (chains, schedules, `optax.MultiSteps`).
+        It is an optax `GradientTransformation` itself, so it composes either way:
+        inside `eqx_amp.loss_scaling(...)` a skipped step leaves the master, and so
+        the model, as they were.
     - `dtype`: the master dtype (float32).
 
     **Returns:**
 
-    A `MasterWeights` with `init(params) -> MasterWeightsState` and
-    `update(grads, state, params) -> (new_params, new_state)`. `params` is the
-    model (or any pytree; only its floating arrays are trained); `grads` has its
-    structure with `None` where there is no gradient (as `eqx.filter_grad`
-    returns it).
+    An `optax.GradientTransformationExtraArgs` whose state is a
+    `MasterWeightsState`: `update(grads, state, params) -> (updates, state)`.
+    `params` (required) is the model (or any pytree; only its floating arrays are
+    trained); `grads` has its structure with `None` where there is no gradient (as
+    `eqx.filter_grad` returns it). The updates are float32 differences of two
+    half-precision values, exact unless a weight shrinks more than 2**15-fold in
+    one step (then the weight lands within float32 rounding of the master).
 
     **Raises:**
 
@@ -145,8 +133,8 @@ def master_weights(
     @eqx.filter_jit
     def step(model, opt_state, x, y):
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
-        model, opt_state = optimizer.update(grads, opt_state, model)
-        return model, opt_state, loss
+        updates, opt_state = optimizer.update(grads, opt_state, model)
+        return eqx_amp.optim.apply_updates(model, updates), opt_state, loss
     ```
     """
     check_optimizer(optimizer, "master_weights")
@@ -171,8 +159,9 @@ def master_weights(
         return MasterWeightsState(master, inner.init(master_view(master, params)))
 
     def update_fn(
-        grads: PyTree, state: MasterWeightsState, params: PyTree, **extra_args
+        grads: PyTree, state: MasterWeightsState, params: PyTree = None, **extra_args
     ) -> tuple[PyTree, MasterWeightsState]:
+        params = _require_params(params, "optim.master_weights")
         if not isinstance(state, MasterWeightsState):
             raise TypeError(
                 "The state passed to the `update` of `eqx_amp.optim.master_weights(...)` "
@@ -197,14 +186,27 @@ def master_weights(
             new_view,
             is_leaf=is_none,
         )
-        new_params = jtu.tree_map(
-            lambda p, v: v.astype(p.dtype) if is_inexact_array(p) else p,
-            params,
-            eqx.combine(new_view, eqx.filter(params, is_inexact_array, inverse=True)),
-        )
-        return new_params, MasterWeightsState(new_master, inner_state)
 
-    return MasterWeights(init_fn, update_fn)
+        # A weight with a master steps to its new master rounded to its dtype: the
+        # difference of two values of that dtype, which the master dtype holds
+        # exactly. A weight that is its own master (float32 and wider, complex)
+        # takes the wrapped optimizer's update as it is.
+        def step_to(master, update, new, param):
+            if master is None:
+                return update
+            return new.astype(param.dtype).astype(master.dtype) - param.astype(
+                master.dtype
+            )
+
+        new_updates = jtu.tree_map(
+            step_to, state.master, updates, new_view, params, is_leaf=is_none
+        )
+        return new_updates, MasterWeightsState(new_master, inner_state)
+
+    return optax.GradientTransformationExtraArgs(
+        cast(optax.TransformInitFn, init_fn),
+        cast(optax.TransformUpdateExtraArgsFn, update_fn),
+    )
 
 
 # Compensated bfloat16 weights ------------------------------------------------------
@@ -276,7 +278,7 @@ def kahan_summation() -> optax.GradientTransformation:
     ) -> tuple[PyTree, KahanSummationState]:
         if not isinstance(state, KahanSummationState):
             raise TypeError(_NOT_OUR_STATE.format("kahan_summation()", type(state)))
-        params = _require_params(params, "kahan_summation")
+        params = _require_params(params, "optim.kahan_summation")
         pairs = paired_leaves(updates, params, "params")
         compensation = state.compensation
         comp_leaves = jtu.tree_structure(updates, is_leaf=is_none).flatten_up_to(
@@ -375,7 +377,7 @@ def stochastic_rounding(key: PRNGKeyArray) -> optax.GradientTransformation:
                 _NOT_OUR_STATE.format("stochastic_rounding(key)", type(state))
             )
         check_key_data(state.key, impl, "The `StochasticRoundingState`")
-        params = _require_params(params, "stochastic_rounding")
+        params = _require_params(params, "optim.stochastic_rounding")
         pairs = paired_leaves(updates, params, "params")
         _check_compensated_params(params, "stochastic_rounding")
         key, step_key = jax.random.split(wrap_key(state.key, impl))

@@ -16,16 +16,13 @@ difference of two bfloat16 values close to each other exactly, so the update
 returned (`new - weight`) adds back to exactly `new` in float32.
 """
 
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray, UInt32
 
-
-Compensation = Literal["kahan", "stochastic"]
-COMPENSATIONS: tuple[Compensation, ...] = ("kahan", "stochastic")
 
 # What compensated weights may be stored in. float16 is refused: its range (6.5e4)
 # is not float32's, so a compensated float16 weight can still overflow to inf, and

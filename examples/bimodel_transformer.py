@@ -174,9 +174,9 @@ def make_bimodel_step(
 ) -> Callable:
     def step(bimodel, opt_state, loss_scale, inputs, targets):
         # 1. Gradients with respect to the float16 compute copy, unscaled into float32.
-        (loss, grads), loss_scale, grads_finite = bimodel.value_and_grad(
+        (loss, grads), loss_scale, grads_finite = eqx_amp.filter_value_and_grad(
             loss_fn, redo_on_nan=redo_on_nan
-        )(inputs, targets, loss_scale=loss_scale)
+        )(bimodel, inputs, targets, loss_scale=loss_scale)
         # 2. A float32 optax update against the float32 master weights.
         params = eqx.filter(bimodel.master, eqx.is_inexact_array)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)

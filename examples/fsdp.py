@@ -218,10 +218,14 @@ def make_step(policy: eqx_amp.Policy | None, optimizer, shardings):
 
     def step(params, opt_state, static, inputs, targets):
         if scaled:
-            grad_fn = eqx_amp.scaled_value_and_grad(loss_fn, opt_state)
+            grad_fn = eqx_amp.scaled_value_and_grad(loss_fn)
+            (loss, grads), opt_state = grad_fn(
+                params, static, inputs, targets, opt_state=opt_state
+            )
         else:
-            grad_fn = eqx.filter_value_and_grad(loss_fn)
-        loss, grads = grad_fn(params, static, inputs, targets)
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(
+                params, static, inputs, targets
+            )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = eqx.apply_updates(params, updates)
         # The updated weights stay where they were.

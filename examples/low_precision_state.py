@@ -8,8 +8,8 @@ learning-rate schedule, in five ways:
 - `f32`: everything float32 (no mixed precision);
 - `AMP, f32 master`: `BiModel(model, policy="mixed_bfloat16")`, float32 master
     weights and moments, bfloat16 compute copy (the reference);
-- `bf16 + Kahan, bf16 moments`: `BiModel(model, policy="p=bf16,c=bf16,o=f32",
-    compensation="kahan")`, moments by `low_precision_moments(..., "bfloat16")`;
+- `bf16 + Kahan, bf16 moments`: a bfloat16 model, `optax.chain(low_precision_moments(
+    ..., "bfloat16"), kahan_summation())` and `eqx_amp.optim.apply_updates`;
 - `bf16 + SR, 8-bit moments`: a bfloat16 model, `optax.chain(low_precision_moments(
     ..., "8bit"), stochastic_rounding(key))` and `eqx_amp.optim.apply_updates`;
 - `bf16, no compensation` (the ablation): a bfloat16 model trained by plain
@@ -82,9 +82,9 @@ def _plain(dtype, wrap=lambda optimizer: optimizer, policy="mixed_bfloat16"):
     return Variant(start, step, lambda model: model, policy)
 
 
-def _bimodel(policy, wrap=lambda optimizer: optimizer, **options):
+def _bimodel(policy, wrap=lambda optimizer: optimizer):
     def start(model, optimizer):
-        bimodel = eqx_amp.BiModel(model, policy=policy, **options)
+        bimodel = eqx_amp.BiModel(model, policy=policy)
         return bimodel, wrap(optimizer).init(_trainable(bimodel.master))
 
     def step(bimodel, opt_state, grads, optimizer):
@@ -99,10 +99,13 @@ def _bimodel(policy, wrap=lambda optimizer: optimizer, **options):
 VARIANTS = {
     "f32": _plain(jnp.float32, policy="float32"),
     "AMP, f32 master": _bimodel("mixed_bfloat16"),
-    "bf16 + Kahan, bf16 moments": _bimodel(
-        BF16_MASTER,
-        lambda optimizer: eqx_amp.optim.low_precision_moments(optimizer, "bfloat16"),
-        compensation="kahan",
+    "bf16 + Kahan, bf16 moments": _plain(
+        jnp.bfloat16,
+        lambda optimizer: optax.chain(
+            eqx_amp.optim.low_precision_moments(optimizer, "bfloat16"),
+            eqx_amp.optim.kahan_summation(),
+        ),
+        policy=BF16_MASTER,
     ),
     "bf16 + SR, 8-bit moments": _plain(
         jnp.bfloat16,

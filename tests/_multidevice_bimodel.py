@@ -53,8 +53,8 @@ def loss_fn(model, x, y):
 
 @eqx.filter_jit
 def step(bimodel, opt_state, loss_scale, x, y):
-    (loss, grads), loss_scale, grads_finite = bimodel.value_and_grad(loss_fn)(
-        x, y, loss_scale=loss_scale
+    (loss, grads), loss_scale, grads_finite = eqx_amp.filter_value_and_grad(loss_fn)(
+        bimodel, x, y, loss_scale=loss_scale
     )
     params = eqx.filter(bimodel.master, eqx.is_inexact_array)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)

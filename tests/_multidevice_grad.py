@@ -122,8 +122,8 @@ optim = eqx_amp.loss_scaling(optax.sgd(0.1), eqx_amp.DynamicLossScale(2.0**10))
 
 def short_step(params, opt_state, x, y):
     model = eqx.combine(params, static)
-    grad_fn = eqx_amp.scaled_value_and_grad(global_loss, opt_state, axis_name=AXIS)
-    _, grads = grad_fn(model, x, y)
+    grad_fn = eqx_amp.scaled_value_and_grad(global_loss, axis_name=AXIS)
+    (_, grads), opt_state = grad_fn(model, x, y, opt_state=opt_state)
     updates, opt_state = optim.update(grads, opt_state, params)
     new_params = eqx.apply_updates(params, updates)
     scale = opt_state.loss_scale

@@ -60,9 +60,9 @@ def _params(bimodel):
 def _make_step(optimizer, redo_on_nan=0):
     @eqx.filter_jit
     def step(bimodel, opt_state, loss_scale, x, y, poison):
-        (loss, grads), loss_scale, grads_finite = bimodel.value_and_grad(
+        (loss, grads), loss_scale, grads_finite = eqx_amp.filter_value_and_grad(
             _loss_fn, redo_on_nan=redo_on_nan
-        )(x, y, poison, loss_scale=loss_scale)
+        )(bimodel, x, y, poison, loss_scale=loss_scale)
         # optax.adam's bias correction computes `decay**count` (a float32 to the
         # power of an int32 count), which strict promotion rejects; the update
         # itself is float32 throughout.
@@ -267,7 +267,9 @@ def test_gradients_with_respect_to_compute_copy_are_half():
     # Through the loss-scaling transform: unscaled into float32, in master structure.
     scale = eqx_amp.StaticLossScale(2.0**8)
     (value, grads), _, grads_finite = eqx.filter_jit(
-        lambda b: b.value_and_grad(_loss_fn)(x, y, poison, loss_scale=scale)
+        lambda b: eqx_amp.filter_value_and_grad(_loss_fn)(
+            b, x, y, poison, loss_scale=scale
+        )
     )(bimodel)
     assert bool(grads_finite)
     assert value.dtype == F32
@@ -279,7 +281,7 @@ def test_gradients_with_respect_to_compute_copy_are_half():
         np.testing.assert_allclose(g, r.astype(jnp.float32), rtol=2e-2, atol=1e-4)
 
     grads2, _, _ = eqx.filter_jit(
-        lambda b: b.grad(_loss_fn)(x, y, poison, loss_scale=scale)
+        lambda b: eqx_amp.filter_grad(_loss_fn)(b, x, y, poison, loss_scale=scale)
     )(bimodel)
     assert_bitwise_equal(grads2, grads)
 
@@ -294,13 +296,15 @@ def test_has_aux():
 
     no_scale = eqx_amp.NoOpLossScale()
     ((_, pred), grads), _, _ = eqx.filter_jit(
-        lambda b: b.value_and_grad(loss_with_aux, has_aux=True)(
-            x, y, loss_scale=no_scale
+        lambda b: eqx_amp.filter_value_and_grad(loss_with_aux, has_aux=True)(
+            b, x, y, loss_scale=no_scale
         )
     )(bimodel)
     assert pred.shape == (BATCH, SEQ, DIM) and pred.dtype == F32
     (grads2, pred2), _, _ = eqx.filter_jit(
-        lambda b: b.grad(loss_with_aux, has_aux=True)(x, y, loss_scale=no_scale)
+        lambda b: eqx_amp.filter_grad(loss_with_aux, has_aux=True)(
+            b, x, y, loss_scale=no_scale
+        )
     )(bimodel)
     assert_bitwise_equal((grads2, pred2), (grads, pred))
 
@@ -361,8 +365,8 @@ def test_apply_if_finite_skips_too():
     bimodel = eqx_amp.BiModel(_model(), policy=POLICY)
     x, y, _ = _data(jr.key(3))
     (_, grads), _, finite = eqx.filter_jit(
-        lambda b: b.value_and_grad(_loss_fn)(
-            x, y, jnp.float32(jnp.nan), loss_scale=eqx_amp.NoOpLossScale()
+        lambda b: eqx_amp.filter_value_and_grad(_loss_fn)(
+            b, x, y, jnp.float32(jnp.nan), loss_scale=eqx_amp.NoOpLossScale()
         )
     )(bimodel)
     assert not bool(finite)
@@ -390,12 +394,14 @@ def test_redo_on_nan():
     # The gradients are those of the scale that worked, computed directly.
     x, y, poison = _data(jr.key(100))
     (_, redone), _, _ = eqx.filter_jit(
-        lambda b, s: b.value_and_grad(_loss_fn, redo_on_nan=30)(
-            x, y, poison, loss_scale=s
+        lambda b, s: eqx_amp.filter_value_and_grad(_loss_fn, redo_on_nan=30)(
+            b, x, y, poison, loss_scale=s
         )
     )(bimodel, loss_scale)
     (_, direct), _, direct_finite = eqx.filter_jit(
-        lambda b, s: b.value_and_grad(_loss_fn)(x, y, poison, loss_scale=s)
+        lambda b, s: eqx_amp.filter_value_and_grad(_loss_fn)(
+            b, x, y, poison, loss_scale=s
+        )
     )(bimodel, eqx_amp.StaticLossScale(new_scale.loss_scale))
     assert bool(direct_finite)
     for a, b in zip(jtu.tree_leaves(redone), jtu.tree_leaves(direct)):
@@ -413,8 +419,8 @@ def test_step_compiles_once():
     @eqx.filter_jit
     def step(bimodel, opt_state, loss_scale, x, y):
         traces.append(None)
-        (_, grads), loss_scale, _ = bimodel.value_and_grad(_loss_fn)(
-            x, y, jnp.float32(1), loss_scale=loss_scale
+        (_, grads), loss_scale, _ = eqx_amp.filter_value_and_grad(_loss_fn)(
+            bimodel, x, y, jnp.float32(1), loss_scale=loss_scale
         )
         with jax.numpy_dtype_promotion("standard"):  # optax.adam: see `_make_step`.
             updates, opt_state = OPTIMIZER.update(grads, opt_state, _params(bimodel))
@@ -613,14 +619,13 @@ def test_inference_mode_turns_dropout_off(getkey):
     assert eqx.nn.inference_mode(bimodel, False).compute.dropout.inference is False
 
 
-def test_value_and_grad_refuses_a_non_callable_up_front(getkey):
+def test_gradient_functions_take_a_bimodel_as_their_differentiated_argument(getkey):
+    """There is one road to scaled gradients: a `BiModel` is the first argument of
+    the gradient functions (no methods of its own)."""
     bimodel = eqx_amp.BiModel(eqx.nn.Linear(2, 2, key=getkey()))
-    with pytest.raises(
-        TypeError, match=r"`BiModel.value_and_grad` takes a callable.*got int"
-    ):
-        bimodel.value_and_grad(3)
-    with pytest.raises(TypeError, match=r"`BiModel.grad` takes a callable.*got str"):
-        bimodel.grad("loss")
+    assert not hasattr(bimodel, "value_and_grad") and not hasattr(bimodel, "grad")
+    with pytest.raises(TypeError, match=r"`fun` must be callable, but got int"):
+        eqx_amp.filter_value_and_grad(3)
 
 
 def test_complex_parameters_train(getkey):
@@ -642,8 +647,8 @@ def test_complex_parameters_train(getkey):
     def loss(m, x):
         return jnp.sum(m(x) ** 2)
 
-    (_, grads), _, finite = bimodel.value_and_grad(loss)(
-        jnp.ones(3), loss_scale=eqx_amp.DynamicLossScale()
+    (_, grads), _, finite = eqx_amp.filter_value_and_grad(loss)(
+        bimodel, jnp.ones(3), loss_scale=eqx_amp.DynamicLossScale()
     )
     assert bool(finite) and grads.diag.dtype == jnp.complex64
     expected = eqx.filter_grad(loss)(model, jnp.ones(3))

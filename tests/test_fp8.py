@@ -362,8 +362,8 @@ def test_filter_amp_and_bimodel_fp8_train(getkey):
     )
     report = eqx_amp.precision_report(jax.vmap(bimodel), x)
     assert FP8_PAIR in report.flops_by_dtypes
-    (_, grads), *_ = bimodel.value_and_grad(lambda m, x: loss(jax.vmap(m)(x)))(
-        x, loss_scale=eqx_amp.NoOpLossScale()
+    (_, grads), *_ = eqx_amp.filter_value_and_grad(lambda m, x: loss(jax.vmap(m)(x)))(
+        bimodel, x, loss_scale=eqx_amp.NoOpLossScale()
     )
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype("float32")}
 

@@ -1,5 +1,6 @@
 """Hostile inputs for the loss-scaled gradients (`filter_value_and_grad`,
-`filter_grad`, `scaled_value_and_grad`, `BiModel.value_and_grad`), with and
+`filter_grad`, `scaled_value_and_grad`, `scaled_grad`, a `BiModel` as the
+differentiated argument), with and
 without `redo_on_nan`.
 
 The matrix: a differentiated argument with no array leaves (`{}`, `None`,
@@ -88,10 +89,13 @@ def test_redo_on_nan_with_a_constant_loss_of_real_weights():
 def test_scaled_value_and_grad_of_no_arrays(redo):
     optimizer = eqx_amp.loss_scaling(optax.sgd(1e-2))
     state = optimizer.init({})
-    fn = eqx_amp.scaled_value_and_grad(_loss, state, redo_on_nan=redo)
-    out = fn({}, jnp.arange(3.0))
-    (value, grads), new_state = out if redo else (out, state)
+    fn = eqx_amp.scaled_value_and_grad(_loss, redo_on_nan=redo)
+    (value, grads), new_state = fn({}, jnp.arange(3.0), opt_state=state)
     assert grads == {} and float(value) == 5.0
+    grads_only, _ = eqx_amp.scaled_grad(_loss, redo_on_nan=redo)(
+        {}, jnp.arange(3.0), opt_state=state
+    )
+    assert grads_only == {}
     updates, new_state = optimizer.update(grads, new_state, {})
     assert updates == {} and bool(new_state.last_finite)
 
@@ -103,9 +107,9 @@ def test_bimodel_of_a_model_without_arrays(redo):
     def loss(model, x):
         return jnp.sum(model(x).astype(jnp.float32) ** 2)
 
-    (value, grads), scale, finite = bimodel.value_and_grad(loss, redo_on_nan=redo)(
-        jnp.arange(3.0), loss_scale=eqx_amp.DynamicLossScale()
-    )
+    (value, grads), scale, finite = eqx_amp.filter_value_and_grad(
+        loss, redo_on_nan=redo
+    )(bimodel, jnp.arange(3.0), loss_scale=eqx_amp.DynamicLossScale())
     assert bool(finite) and finite.dtype == jnp.bool_
     assert float(value) == 5.0 and jtu.tree_leaves(grads) == []
     assert float(scale.loss_scale) == 2.0**15

@@ -1,4 +1,5 @@
-"""`loss_scaling` and `scaled_value_and_grad`: loss scaling kept in the optimizer."""
+"""`loss_scaling`, `scaled_value_and_grad` and `scaled_grad`: loss scaling kept in the
+optimizer state (the short float16 form)."""
 
 import difflib
 import functools as ft
@@ -74,8 +75,8 @@ def test_non_finite_steps_are_skipped_and_counted_like_apply_if_finite(getkey):
 
     @eqx.filter_jit
     def step(model, opt_state, poison):
-        loss, grads = eqx_amp.scaled_value_and_grad(_mse, opt_state)(
-            model, x, y, poison
+        (loss, grads), opt_state = eqx_amp.scaled_value_and_grad(_mse)(
+            model, x, y, poison, opt_state=opt_state
         )
         with jax.numpy_dtype_promotion("standard"):  # optax.adam's decay**count
             updates, opt_state = optim.update(grads, opt_state, model)
@@ -101,12 +102,18 @@ def test_matches_the_explicit_form(getkey):
     model, x, y = _problem(getkey)
     scale = eqx_amp.DynamicLossScale(2.0**12)
     opt_state = eqx_amp.loss_scaling(optax.sgd(0.1), scale).init(model)
-    loss, grads = eqx_amp.scaled_value_and_grad(_mse, opt_state)(model, x, y)
+    (loss, grads), new_state = eqx_amp.scaled_value_and_grad(_mse)(
+        model, x, y, opt_state=opt_state
+    )
     (ref_loss, ref_grads), _, _ = eqx_amp.filter_value_and_grad(_mse)(
         model, x, y, loss_scale=scale
     )
     assert loss == ref_loss and eqx.tree_equal(grads, ref_grads)
     assert float_dtypes(grads) == {F32}
+    # The state comes back with the scale that produced the gradients.
+    assert eqx.tree_equal(new_state, opt_state)
+    grads_only, _ = eqx_amp.scaled_grad(_mse)(model, x, y, opt_state=opt_state)
+    assert eqx.tree_equal(grads_only, ref_grads)
 
 
 def test_redo_on_nan_returns_the_state_with_the_scale_that_worked(getkey):
@@ -114,8 +121,8 @@ def test_redo_on_nan_returns_the_state_with_the_scale_that_worked(getkey):
     too_large = eqx_amp.DynamicLossScale(2.0**60)  # float16 gradients overflow
     optim = eqx_amp.loss_scaling(optax.adam(1e-3), too_large)
     opt_state = optim.init(eqx.filter(model, eqx.is_array))
-    grad_fn = eqx_amp.scaled_value_and_grad(_mse, opt_state, redo_on_nan=60)
-    (loss, grads), opt_state = eqx.filter_jit(grad_fn)(model, x, y)
+    grad_fn = eqx_amp.scaled_value_and_grad(_mse, redo_on_nan=60)
+    (loss, grads), opt_state = eqx.filter_jit(grad_fn)(model, x, y, opt_state=opt_state)
     assert eqx_amp.all_finite(grads)
     worked = float(opt_state.loss_scale.loss_scale)
     assert worked < 2.0**60
@@ -123,7 +130,8 @@ def test_redo_on_nan_returns_the_state_with_the_scale_that_worked(getkey):
         _, opt_state = optim.update(grads, opt_state, model)
     assert float(opt_state.loss_scale.loss_scale) == worked  # finite: kept
     # Compiled once: one while loop, the model's matmuls not repeated per try.
-    text = eqx.filter_jit(lambda m: grad_fn(m, x, y)).lower(model).as_text()
+    lowered = eqx.filter_jit(lambda m, s: grad_fn(m, x, y, opt_state=s))
+    text = lowered.lower(model, opt_state).as_text()
     assert text.count("stablehlo.while") == 1
 
 
@@ -138,7 +146,9 @@ def test_composes_with_multisteps_and_chain_and_checkpoints(getkey, tmp_path):
 
     @eqx.filter_jit
     def step(model, opt_state):
-        loss, grads = eqx_amp.scaled_value_and_grad(_mse, opt_state)(model, x, y)
+        (loss, grads), opt_state = eqx_amp.scaled_value_and_grad(_mse)(
+            model, x, y, opt_state=opt_state
+        )
         with jax.numpy_dtype_promotion("standard"):  # optax.adam's decay**count
             params = eqx.filter(model, eqx.is_array)
             updates, opt_state = optim.update(grads, opt_state, params)
@@ -173,17 +183,28 @@ def test_bad_inputs(getkey):
     with pytest.raises(TypeError, match=r"`axis_name` must be the \(hashable\) name"):
         eqx_amp.loss_scaling(optax.adam(1e-3), axis_name=["data"])
     plain_state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
+    grad_fn = eqx_amp.scaled_value_and_grad(_mse)
     with pytest.raises(ValueError, match=r"holds no `eqx_amp.optim.LossScalingState`"):
-        eqx_amp.scaled_value_and_grad(_mse, plain_state)
+        grad_fn(model, x, y, opt_state=plain_state)
     optim = eqx_amp.loss_scaling(optax.adam(1e-3))
     params = eqx.filter(model, eqx.is_array)
     two = (optim.init(params), optim.init(params))
     with pytest.raises(ValueError, match=r"holds 2 `eqx_amp.optim.LossScalingState`s"):
-        eqx_amp.scaled_value_and_grad(_mse, two)
-    with pytest.raises(TypeError, match=r"`scaled_value_and_grad` takes a callable"):
-        eqx_amp.scaled_value_and_grad(3, optim.init(params))
-    with pytest.raises(ValueError, match=r"`redo_on_nan` must be 0 or more"):
-        eqx_amp.scaled_value_and_grad(_mse, optim.init(params), redo_on_nan=-1)
+        grad_fn(model, x, y, opt_state=two)
+    with pytest.raises(TypeError, match=r"must be called with an `opt_state` keyword"):
+        grad_fn(model, x, y)
+    with pytest.raises(TypeError, match=r"must be called with an `opt_state` keyword"):
+        eqx_amp.scaled_grad(_mse)(model, x, y)
+    for transform in (eqx_amp.scaled_value_and_grad, eqx_amp.scaled_grad):
+        name = transform.__name__
+        with pytest.raises(TypeError, match=rf"`fun` must be callable.*`{name}"):
+            transform(3)
+        with pytest.raises(ValueError, match=r"`redo_on_nan` must be 0 or more"):
+            transform(_mse, redo_on_nan=-1)
+        with pytest.raises(ValueError, match=r"`redo_on_nan` must be 0 or more"):
+            transform(redo_on_nan=-1)
+        with pytest.raises(TypeError, match=r"`has_aux` must be a bool"):
+            transform(has_aux="yes")
     with pytest.raises(
         TypeError, match=r"must be the `LossScalingState` its `init` made"
     ):
@@ -202,9 +223,9 @@ def test_states_own_their_buffers_so_steps_can_donate_them(getkey):
 
     @ft.partial(eqx.filter_jit, donate="all")
     def step(model, opt_state, x):
-        loss, grads = eqx_amp.scaled_value_and_grad(
-            lambda m, x: jnp.sum(m(x) ** 2), opt_state
-        )(model, x)
+        (loss, grads), opt_state = eqx_amp.scaled_value_and_grad(
+            lambda m, x: jnp.sum(m(x) ** 2)
+        )(model, x, opt_state=opt_state)
         updates, opt_state = optimizer.update(grads, opt_state, model)
         return eqx.apply_updates(model, updates), opt_state
 
@@ -225,3 +246,43 @@ def test_update_takes_optax_keyword_names():
             updates={"w": jnp.ones(3)}, state=state, params=params
         )
     np.testing.assert_allclose(updates["w"], -0.1 * np.ones(3))
+
+
+def test_short_form_as_decorators_with_aux_and_a_bimodel(getkey):
+    """`@scaled_value_and_grad` and `@scaled_grad(has_aux=True)` on a plain model and
+    on a `BiModel` (differentiated through its compute copy), against the explicit
+    form; one return shape whatever the options."""
+    model, x, y = _problem(getkey)
+    optim = eqx_amp.loss_scaling(optax.sgd(0.1), eqx_amp.DynamicLossScale(2.0**8))
+
+    @eqx_amp.scaled_value_and_grad
+    def loss_fn(model, x, y):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    @eqx_amp.scaled_grad(has_aux=True, redo_on_nan=2)
+    def grad_fn(model, x, y):
+        pred = jax.vmap(model)(x)
+        return jnp.mean((pred - y) ** 2), pred.dtype
+
+    bimodel = eqx_amp.BiModel(model, policy="mixed_float16")
+    for target in (eqx_amp.filter_amp(model, policy="mixed_float16"), bimodel):
+        params = target.master if target is bimodel else model
+        opt_state = optim.init(eqx.filter(params, eqx.is_inexact_array))
+        (loss, grads), new_state = eqx.filter_jit(loss_fn)(
+            target, x, y, opt_state=opt_state
+        )
+        (grads2, aux), _ = grad_fn(target, x, y, opt_state=opt_state)
+        assert isinstance(new_state, eqx_amp.optim.LossScalingState)
+        assert aux == F32 and loss.dtype == F32  # the output dtype of the policy
+        assert float_dtypes(grads) == {F32}
+        assert eqx.tree_equal(
+            jax.tree_util.tree_structure(grads2), jax.tree_util.tree_structure(grads)
+        )
+        (ref_loss, ref_grads), _, _ = eqx_amp.filter_value_and_grad(
+            lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2)
+        )(target, x, y, loss_scale=eqx_amp.DynamicLossScale(2.0**8))
+        assert loss == ref_loss and eqx.tree_equal(grads, ref_grads)
+    # The BiModel's gradients have the master's structure, in float32.
+    assert jax.tree_util.tree_structure(
+        eqx.filter(grads, eqx.is_array)
+    ) == jax.tree_util.tree_structure(eqx.filter(bimodel.master, eqx.is_inexact_array))

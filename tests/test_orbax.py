@@ -93,11 +93,8 @@ def step_in_optimizer(state, x, y, multiplier):
     bimodel, opt_state = state
 
     # Differentiated at the compute copy, so the backward pass runs in float16.
-    def loss_of_compute(compute, x, y, multiplier):
-        return loss_fn(bimodel.with_compute(compute), x, y, multiplier)
-
-    grad_fn = eqx_amp.scaled_value_and_grad(loss_of_compute, opt_state)
-    loss, grads = grad_fn(bimodel.compute, x, y, multiplier)
+    grad_fn = eqx_amp.scaled_value_and_grad(loss_fn)
+    (loss, grads), opt_state = grad_fn(bimodel, x, y, multiplier, opt_state=opt_state)
     with jax.numpy_dtype_promotion("standard"):
         updates, opt_state = scaled_adam.update(grads, opt_state, params(bimodel))
     # A skipped step has zero updates: the master (and so the compute copy) stays.
@@ -125,8 +122,8 @@ def init_explicit(key):
 
 def step_explicit(state, x, y, multiplier):
     bimodel, opt_state, loss_scale = state
-    (loss, grads), loss_scale, grads_finite = bimodel.value_and_grad(loss_fn)(
-        x, y, multiplier, loss_scale=loss_scale
+    (loss, grads), loss_scale, grads_finite = eqx_amp.filter_value_and_grad(loss_fn)(
+        bimodel, x, y, multiplier, loss_scale=loss_scale
     )
     with jax.numpy_dtype_promotion("standard"):
         updates, new_opt_state = adam.update(grads, opt_state, params(bimodel))

@@ -218,8 +218,8 @@ def test_bimodel_reduce_dtype(getkey):
         return _loss(jax.vmap(m)(t), t)
 
     def grads_of(b):
-        (_, grads), *_ = b.value_and_grad(loss)(
-            tokens, loss_scale=eqx_amp.NoOpLossScale()
+        (_, grads), *_ = eqx_amp.filter_value_and_grad(loss)(
+            b, tokens, loss_scale=eqx_amp.NoOpLossScale()
         )
         return grads
 

@@ -1,5 +1,5 @@
 """Hostile tests of the README's short float16 form,
-`scaled_value_and_grad(filter_amp(loss_fn, policy="mixed_float16"), opt_state)`, and
+`scaled_value_and_grad(filter_amp(loss_fn, policy="mixed_float16"))`, and
 of `filter_amp`'s `arg_spec`, on small convolutional models that make arrays inside
 the function: a GAN that samples its noise inside the loss and a diffusion model that
 draws its noise and time there (and concatenates the time with the image before its
@@ -92,9 +92,9 @@ def _short_form_step(loss_fn):
 
     @eqx.filter_jit
     def step(params, opt_state, *args):
-        loss, grads = eqx_amp.scaled_value_and_grad(
-            eqx_amp.filter_amp(loss_fn, policy="mixed_float16"), opt_state
-        )(params, *args)
+        (loss, grads), _ = eqx_amp.scaled_value_and_grad(
+            eqx_amp.filter_amp(loss_fn, policy="mixed_float16")
+        )(params, *args, opt_state=opt_state)
         return loss, grads
 
     return optim, step

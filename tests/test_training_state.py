@@ -274,13 +274,6 @@ def test_stochastic_rounding_needs_a_key():
         state = optimizer.init(params)
         with jax.numpy_dtype_promotion("standard"):
             optimizer.update({"w": jnp.ones(3)}, state, params)
-    bimodel = eqx_amp.BiModel(
-        (jnp.ones(3),),
-        policy=BF16_MASTER,
-        compensation="stochastic",
-        key=jr.key(0, impl="rbg"),
-    )
-    bimodel.apply_updates((jnp.ones(3),))
 
 
 def test_float32_params_pass_through():
@@ -317,7 +310,12 @@ def test_master_weights_is_float32_training_of_a_bfloat16_model():
     @eqx.filter_jit
     def step(model, state):
         grads = eqx.filter_grad(_loss)(model, x, y)
-        return optimizer.update(grads, state, model)
+        updates, state = optimizer.update(grads, state, model)
+        # Float32 updates landing exactly on the rounded master, by either road.
+        assert {u.dtype for u in jtu.tree_leaves(updates)} == {np.dtype(jnp.float32)}
+        new = eqx_amp.optim.apply_updates(model, updates)
+        by_optax = optax.apply_updates(_params(model), updates)
+        return new, state, by_optax
 
     @eqx.filter_jit
     def reference_step(master, ref_state):
@@ -330,7 +328,8 @@ def test_master_weights_is_float32_training_of_a_bfloat16_model():
 
     with jax.numpy_dtype_promotion("standard"):
         for _ in range(5):
-            model, state = step(model, state)
+            model, state, by_optax = step(model, state)
+            _assert_bitwise_equal(by_optax, _params(model))
             reference, ref_state = reference_step(reference, ref_state)
     _assert_bitwise_equal(state.master, _params(reference))
     _assert_bitwise_equal(model, eqx_amp.cast_tree(reference, BF16))
@@ -340,18 +339,21 @@ def test_master_weights_is_float32_training_of_a_bfloat16_model():
 def test_master_weights_with_loss_scaling_skips_and_multisteps():
     model = _mlp(jr.key(0), jnp.float16)
     x, y = _data(jr.key(1))
-    optimizer = eqx_amp.optim.master_weights(
-        eqx_amp.loss_scaling(optax.MultiSteps(optax.adam(1e-2), 2))
+    # Either order composes: master_weights is a GradientTransformation.
+    optimizer = eqx_amp.loss_scaling(
+        eqx_amp.optim.master_weights(optax.MultiSteps(optax.adam(1e-2), 2))
     )
     state = optimizer.init(model)
 
+    @eqx_amp.scaled_value_and_grad
     def loss(model, x, y, blow_up):
         return _loss(model, x, y) * blow_up
 
     @eqx.filter_jit
     def step(model, state, blow_up):
-        value, grads = eqx_amp.scaled_value_and_grad(loss, state)(model, x, y, blow_up)
-        return optimizer.update(grads, state, model)
+        (value, grads), state = loss(model, x, y, blow_up, opt_state=state)
+        updates, state = optimizer.update(grads, state, model)
+        return eqx_amp.optim.apply_updates(model, updates), state
 
     with jax.numpy_dtype_promotion("standard"):
         first, state1 = step(model, state, jnp.float32(1.0))
@@ -368,9 +370,9 @@ def test_master_weights_with_loss_scaling_skips_and_multisteps():
         # An overflowing step: skipped, the scale halves, nothing else moves.
         third, state3 = step(second, state2, jnp.float32(3e38))
     _assert_bitwise_equal(third, second)
-    _assert_bitwise_equal(state3.master, state2.master)
-    scale2 = state2.inner_state.loss_scale.loss_scale
-    assert float(state3.inner_state.loss_scale.loss_scale) == float(scale2) / 2
+    _assert_bitwise_equal(state3.inner_state.master, state2.inner_state.master)
+    scale2 = state2.loss_scale.loss_scale
+    assert float(state3.loss_scale.loss_scale) == float(scale2) / 2
 
 
 def test_master_weights_bad_input():
@@ -387,6 +389,8 @@ def test_master_weights_bad_input():
         optimizer.update((_params(model),), state, model)
     with pytest.raises(TypeError, match=r"must be the `MasterWeightsState` its `init`"):
         optimizer.update(_params(model), state.inner_state, model)
+    with pytest.raises(ValueError, match=r"`eqx_amp.optim.master_weights` needs the"):
+        optimizer.update(_params(model), state)
     with_counter = (model, jnp.zeros((), jnp.int32))
     state = optimizer.init(with_counter)
     grads = (_params(model), jnp.ones((), jnp.float32))
@@ -395,86 +399,28 @@ def test_master_weights_bad_input():
 
 
 #
-# BiModel with a compensated bfloat16 master.
+# A bfloat16 master: the optim road, not BiModel.
 #
 
 
-@pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
-def test_bimodel_bfloat16_master_has_no_second_copy(compensation):
+def test_bimodel_with_a_bfloat16_master_points_to_the_compensated_road():
     model = _mlp(jr.key(0))
-    key = jr.key(1) if compensation == "stochastic" else None
-    bimodel = eqx_amp.BiModel(
-        model, policy=BF16_MASTER, compensation=compensation, key=key
-    )
-    # The compute copy is the master: nothing is stored twice.
-    assert all(c is None for c in bimodel._compute_only)
-    assert bimodel.compute.layers[0].weight is bimodel.master.layers[0].weight
-    x, y = _data(jr.key(2))
-    optimizer = optax.adam(1e-3)
-    opt_state = optimizer.init(_params(bimodel.master))
-
-    def loss_fn(bimodel, x, y):
-        return jnp.mean((jax.vmap(bimodel)(x) - y) ** 2)
-
-    @eqx.filter_jit
-    def step(bimodel, opt_state):
-        (loss, grads), _, _ = bimodel.value_and_grad(loss_fn)(
-            x, y, loss_scale=eqx_amp.NoOpLossScale()
-        )
-        with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = optimizer.update(
-                grads, opt_state, _params(bimodel.master)
-            )
-        return bimodel.apply_updates(updates), opt_state, loss
-
-    first_loss = None
-    for _ in range(30):
-        bimodel, opt_state, loss = step(bimodel, opt_state)
-        first_loss = loss if first_loss is None else first_loss
-    assert float(loss) < float(first_loss)
-    assert {leaf.dtype for leaf in jtu.tree_leaves(_params(bimodel.master))} == {
-        np.dtype(BF16)
-    }
-    if compensation == "kahan":
-        assert any(
-            np.any(np.asarray(b, np.float32) != 0)
-            for b in bimodel._kahan
-            if b is not None
-        )
+    with pytest.warns(UserWarning, match=r"eqx_amp\.optim\.kahan_summation\(\)"):
+        eqx_amp.BiModel(model, policy=BF16_MASTER)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'compensation'"):
+        eqx_amp.BiModel(model, policy=BF16_MASTER, compensation="kahan")  # type: ignore[call-arg]
 
 
-def test_bimodel_kahan_tracks_float32_sum():
-    weight = jnp.full((4,), 1.0)
-    bimodel = eqx_amp.BiModel((weight,), policy=BF16_MASTER, compensation="kahan")
+def test_kahan_tracks_the_float32_sum_of_tiny_updates():
+    """What `BiModel(compensation="kahan")` did, on the one road left."""
+    params = (jnp.full((4,), 1.0, BF16),)
+    optimizer = eqx_amp.optim.kahan_summation()
+    state = optimizer.init(params)
     tiny = (jnp.full((4,), 1e-4),)
     for _ in range(1000):
-        bimodel = bimodel.apply_updates(tiny)
-    assert np.all(np.abs(np.asarray(bimodel.master[0], np.float32) - 1.1) <= 2**-7)
-
-
-def test_bimodel_compensation_bad_input():
-    model = _mlp(jr.key(0))
-    with pytest.warns(UserWarning, match=r"stored in bfloat16 without compensation"):
-        eqx_amp.BiModel(model, policy=BF16_MASTER)
-    with pytest.raises(ValueError, match=r"need bfloat16 weights"):
-        eqx_amp.BiModel(model, policy="p=f16,c=f16,o=f32", compensation="kahan")
-    with pytest.raises(ValueError, match=r"is for a bfloat16 master, but the policy"):
-        eqx_amp.BiModel(model, policy="mixed_bfloat16", compensation="kahan")
-    with pytest.raises(ValueError, match=r"`compensation` must be one of 'kahan', "):
-        eqx_amp.BiModel(model, policy=BF16_MASTER, compensation="exact")  # type: ignore[arg-type]
-    with pytest.raises(
-        TypeError, match=r'`compensation="stochastic"` needs a PRNG key'
-    ):
-        eqx_amp.BiModel(model, policy=BF16_MASTER, compensation="stochastic")
-    with pytest.raises(TypeError, match=r"needs a PRNG key .* but got int 3"):
-        eqx_amp.BiModel(
-            model,
-            policy=BF16_MASTER,
-            compensation="stochastic",
-            key=3,  # type: ignore[arg-type]
-        )
-    with pytest.raises(ValueError, match=r"`key` is for `compensation=\"stochastic\"`"):
-        eqx_amp.BiModel(model, policy="mixed_bfloat16", key=jr.key(0))
+        updates, state = optimizer.update(tiny, state, params)
+        params = eqx_amp.optim.apply_updates(params, updates)
+    assert np.all(np.abs(np.asarray(params[0], np.float32) - 1.1) <= 2**-7)
 
 
 #
@@ -669,17 +615,6 @@ def test_only_the_optimizers_moments_are_compressed():
     assert len(moments) == 1  # AdamW's `nu` (schedule-free keeps no `mu`)
 
 
-def test_master_weights_must_be_the_outermost_wrapper():
-    master = eqx_amp.optim.master_weights(optax.adam(1e-3))
-    for wrap in (eqx_amp.loss_scaling, eqx_amp.optim.low_precision_moments):
-        with pytest.raises(
-            TypeError,
-            match=r"`eqx_amp\.master_weights\(\.\.\.\)` returns the new weights "
-            r"instead, so it must be the outermost wrapper",
-        ):
-            wrap(master)
-
-
 def test_low_precision_moments_inside_and_outside_loss_scaling():
     params = {"w": jnp.ones((4, 8))}
     grads = {"w": jnp.full((4, 8), 0.5)}
@@ -784,20 +719,18 @@ def _recipes():
             return model, optimizer.init(model)
 
         def step(model, opt_state, grads):
-            return optimizer.update(grads, opt_state, model)
+            updates, opt_state = optimizer.update(grads, opt_state, model)
+            return eqx_amp.optim.apply_updates(model, updates), opt_state
 
         return start, step
 
-    def bimodel(compensation, storage):
-        optimizer = eqx_amp.optim.low_precision_moments(optax.adam(1e-2), storage)
+    def bimodel(storage):
+        optimizer = eqx_amp.optim.low_precision_moments(
+            optax.adam(1e-2), storage, key=key
+        )
 
         def start(model):
-            bm = eqx_amp.BiModel(
-                model,
-                policy=BF16_MASTER,
-                compensation=compensation,
-                key=key if compensation == "stochastic" else None,
-            )
+            bm = eqx_amp.BiModel(model, policy="mixed_bfloat16")
             return bm, optimizer.init(_params(bm.master))
 
         def step(bm, opt_state, grads):
@@ -820,8 +753,8 @@ def _recipes():
                 eqx_amp.optim.stochastic_rounding(key),
             )
         ),
-        "bimodel kahan": bimodel("kahan", "bfloat16"),
-        "bimodel stochastic": bimodel("stochastic", "8bit"),
+        "bimodel + bf16 moments": bimodel("bfloat16"),
+        "bimodel + 8-bit moments": bimodel("8bit"),
     }
 
 

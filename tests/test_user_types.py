@@ -25,6 +25,7 @@ _USER_SCRIPT = textwrap.dedent(
     import equinox as eqx
     import jax
     import jax.numpy as jnp
+    import optax
 
     import eqx_amp
 
@@ -60,9 +61,15 @@ _USER_SCRIPT = textwrap.dedent(
     reveal_type(bimodel(x))
     reveal_type(bimodel.with_compute(bimodel.compute)(x))
 
-    # >>> The float16 short form and an optimizer wrapper (the gradient functions'
-    # >>> types): `reveal_type` their results here.
-    # <<<
+    # The gradient roads and the optimizer wrappers.
+    optimizer = eqx_amp.optim.master_weights(eqx_amp.loss_scaling(optax.adam(1e-3)))
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    scaled_loss = eqx_amp.scaled_value_and_grad(loss)
+    reveal_type(scaled_loss(model, x, opt_state=opt_state))
+    reveal_type(eqx_amp.scaled_grad(loss)(model, x, opt_state=opt_state))
+    loss_scale = eqx_amp.DynamicLossScale()
+    reveal_type(eqx_amp.filter_value_and_grad(loss)(model, x, loss_scale=loss_scale))
+    reveal_type(optimizer.update)
 
     # Diagnostics.
     reveal_type(eqx_amp.precision_report(amp_model, x).advice)
@@ -86,6 +93,16 @@ _EXPECTED = {
     "bimodel(x)": "Array",
     "bimodel.with_compute(bimodel.compute)(x)": "Array",
     "eqx_amp.precision_report(amp_model, x).advice": "str",
+    # An optax transformation (`master_weights` returns updates, as optax's do).
+    "optimizer.update": "TransformUpdateExtraArgsFn",
+}
+# The gradient roads: the nesting of their one return shape, whatever the options.
+_EXPECTED_PREFIX = {
+    "scaled_loss(model, x, opt_state=opt_state)": "tuple[tuple[Any, Any], ",
+    "eqx_amp.scaled_grad(loss)(model, x, opt_state=opt_state)": "tuple[Any, ",
+    "eqx_amp.filter_value_and_grad(loss)(model, x, loss_scale=loss_scale)": (
+        "tuple[tuple[Array, Any], AbstractLossScale, Array]"
+    ),
 }
 
 
@@ -139,6 +156,8 @@ def test_pyright_infers_every_result_and_flags_model_attributes(user_script):
     revealed = dict(reveals)
     for expression, expected in _EXPECTED.items():
         assert revealed[expression] == expected, (expression, revealed[expression])
+    for expression, prefix in _EXPECTED_PREFIX.items():
+        assert revealed[expression].startswith(prefix), (expression, revealed)
     # The one problem: the model's attribute read from its wrapper.
     problems = [d for d in diagnostics if d["severity"] in ("error", "warning")]
     lines = _USER_SCRIPT.splitlines()
