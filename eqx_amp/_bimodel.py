@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from ._cast import (
+from ._core._cast import (
     KEEP_OR_RESCALE,
     cast_all_but_state,
     describe_leaves,
@@ -35,13 +35,14 @@ from ._cast import (
     overflowing_leaves,
     warn_if_cast_overflows,
 )
-from ._filter_amp import filter_amp, fp8_selection
-from ._filters import FilterSpec, default_filter_spec, selection_mask
+from ._core._describe import is_none
+from ._core._filters import FilterSpec, default_filter_spec, selection_mask
+from ._core._policy import Policy, resolve_policy
+from ._core._wrapper import user_stacklevel
+from ._filter_amp._filter_amp import filter_amp, fp8_selection
 from ._fp8 import Fp8Rule
-from ._grad import GradThrough
-from ._policy import Policy, resolve_policy
-from ._updates import add_in_float32, is_none, paired_leaves
-from ._wrapper import user_stacklevel
+from ._loss_scaling._scaled_step import GradThrough
+from ._optim._updates import add_in_float32, paired_leaves
 
 
 _P = ParamSpec("_P")

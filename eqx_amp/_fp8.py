@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
-from ._cast import floating_dtype
+from ._core._cast import floating_dtype
 from ._jaxpr import _compat as compat
 from ._jaxpr._evaluate import batched_like, evaluate_function
 from ._jaxpr._hook import Hook, Origin

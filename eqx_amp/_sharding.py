@@ -24,13 +24,14 @@ import numpy as np
 from jax import lax
 from jaxtyping import PyTree
 
-from ._cast import cast_leaf, is_floating_array, widest_dtype
-from ._filters import FilterSpec, default_filter_spec, selection_mask
+from ._core._axes import check_axis_name, unbound_axis_name_error
+from ._core._cast import cast_leaf, is_floating_array, widest_dtype
+from ._core._describe import is_none
+from ._core._filters import FilterSpec, default_filter_spec, selection_mask
+from ._core._policy import Policy, resolve_policy
 from ._jaxpr import _compat as compat
 from ._jaxpr._evaluate import batched_like, evaluate
 from ._jaxpr._hook import Evaluate, Frame, Hook, Origin, cast_to, is_higher_order
-from ._loss_scale import check_axis_name, unbound_axis_name_error
-from ._policy import Policy, resolve_policy
 
 
 # Ops on a parameter whose transpose sums over the data (the batch, the sequence):
@@ -393,7 +394,7 @@ def gather_params(
     per_device = not _is_manual_axis(axis_name) or compat.is_unchecked_manual_axis(
         axis_name
     )
-    if any(d is not None for d in jtu.tree_leaves(dims, is_leaf=_none)):
+    if any(d is not None for d in jtu.tree_leaves(dims, is_leaf=is_none)):
         _record_gather(axis_name)
 
     def gather(selected, dim, leaf):
@@ -441,7 +442,9 @@ def _gathered_dims(shards: PyTree, axis_name: Hashable, specs: PyTree | None):
                 shards,
             )
         has_arrays = any(eqx.is_array(x) for x in jtu.tree_leaves(shards))
-        if has_arrays and all(d is None for d in jtu.tree_leaves(dims, is_leaf=_none)):
+        if has_arrays and all(
+            d is None for d in jtu.tree_leaves(dims, is_leaf=is_none)
+        ):
             raise ValueError(_NOTHING_SHARDED.format(axis=axis_name))
         return dims
     try:
@@ -460,7 +463,3 @@ def _gathered_dims(shards: PyTree, axis_name: Hashable, specs: PyTree | None):
             "`specs` must be a pytree prefix of `shards` whose leaves are "
             f"`PartitionSpec`s or None (the shards' `in_specs`). JAX: {error}"
         ) from None
-
-
-def _none(x: Any) -> bool:
-    return x is None

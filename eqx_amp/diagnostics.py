@@ -9,8 +9,8 @@ print(eqx_amp.diagnostics.find_nonfinite(loss_fn, model, x, y))
 they return live here.
 """
 
-from ._nonfinite import NonfiniteOp as NonfiniteOp
-from ._nonfinite import find_nonfinite as find_nonfinite
-from ._report import PrecisionReport as PrecisionReport
-from ._report import WideMatmul as WideMatmul
-from ._report import precision_report as precision_report
+from ._diagnostics._nonfinite import NonfiniteOp as NonfiniteOp
+from ._diagnostics._nonfinite import find_nonfinite as find_nonfinite
+from ._diagnostics._report import PrecisionReport as PrecisionReport
+from ._diagnostics._report import WideMatmul as WideMatmul
+from ._diagnostics._report import precision_report as precision_report

@@ -10,14 +10,14 @@ params = eqx_amp.optim.apply_updates(params, updates)  # each sum rounded once
 ```
 """
 
-from ._loss_scaling import LossScalingState as LossScalingState
-from ._moments import LowPrecisionMomentsState as LowPrecisionMomentsState
-from ._moments import QuantizedMoment as QuantizedMoment
-from ._moments import low_precision_moments as low_precision_moments
-from ._optimizers import KahanSummationState as KahanSummationState
-from ._optimizers import MasterWeightsState as MasterWeightsState
-from ._optimizers import StochasticRoundingState as StochasticRoundingState
-from ._optimizers import kahan_summation as kahan_summation
-from ._optimizers import master_weights as master_weights
-from ._optimizers import stochastic_rounding as stochastic_rounding
-from ._updates import apply_updates as apply_updates
+from ._loss_scaling._short_form import LossScalingState as LossScalingState
+from ._optim._moments import LowPrecisionMomentsState as LowPrecisionMomentsState
+from ._optim._moments import QuantizedMoment as QuantizedMoment
+from ._optim._moments import low_precision_moments as low_precision_moments
+from ._optim._transforms import KahanSummationState as KahanSummationState
+from ._optim._transforms import MasterWeightsState as MasterWeightsState
+from ._optim._transforms import StochasticRoundingState as StochasticRoundingState
+from ._optim._transforms import kahan_summation as kahan_summation
+from ._optim._transforms import master_weights as master_weights
+from ._optim._transforms import stochastic_rounding as stochastic_rounding
+from ._optim._updates import apply_updates as apply_updates

@@ -166,7 +166,7 @@ def test_kept_leaves_are_not_duplicated():
     n_cast = sum(
         bool(s) and eqx.is_inexact_array(x)
         for s, x in zip(
-            jtu.tree_leaves(eqx_amp._filters.selection_mask(model, spec)),
+            jtu.tree_leaves(eqx_amp._core._filters.selection_mask(model, spec)),
             jtu.tree_leaves(model),
         )
     )

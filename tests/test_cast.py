@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import eqx_amp
-from eqx_amp._cast import is_floating_array, widest_floating_dtype
+from eqx_amp._core._cast import is_floating_array, widest_floating_dtype
 
 
 def _mixed_tree():

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import eqx_amp
-from eqx_amp._cast import half_dtype
+from eqx_amp._core._cast import half_dtype
 
 
 F32, BF16, F16 = jnp.dtype("float32"), jnp.dtype("bfloat16"), jnp.dtype("float16")

@@ -63,7 +63,7 @@ def _assert_bitwise_equal(a, b):
 
 
 def test_stochastic_rounding_is_unbiased_and_exact_on_bfloat16_values():
-    from eqx_amp._rounding import stochastic_round
+    from eqx_amp._optim._rounding import stochastic_round
 
     # 1 + a quarter of a bfloat16 ulp (2^-7 at 1.0), positive and negative.
     x = jnp.array([1 + 2**-9, -(1 + 2**-9)], jnp.float32)
@@ -429,7 +429,7 @@ def test_kahan_tracks_the_float32_sum_of_tiny_updates():
 
 
 def _encode_decode(x, storage, square_root, key=jr.key(0)):
-    from eqx_amp._moment_codec import encode
+    from eqx_amp._optim._codec import encode
 
     return encode(x, storage, square_root, 256, key).decode()
 
@@ -455,7 +455,7 @@ def test_moment_encodings_error_bounds():
 def test_eight_bit_codes_are_the_maps_neighbours(signed):
     # The encoding computes where a value falls in the dynamic map from the map's
     # layout; it must agree with searching the map itself.
-    from eqx_amp._moment_codec import _SIGNED_MAP, _UNSIGNED_MAP, _map_position
+    from eqx_amp._optim._codec import _SIGNED_MAP, _UNSIGNED_MAP, _map_position
 
     table = _SIGNED_MAP if signed else _UNSIGNED_MAP
     rng = np.random.default_rng(0)
@@ -659,7 +659,7 @@ def test_eight_bit_second_moments_never_round_to_zero():
 
 
 def test_eight_bit_blocks_follow_the_last_axis():
-    from eqx_amp._moment_codec import encode
+    from eqx_amp._optim._codec import encode
 
     moment = jr.normal(jr.key(0), (4, 512))
     stored = encode(moment, "8bit", False, 256, jr.key(1))

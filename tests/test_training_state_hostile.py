@@ -33,7 +33,7 @@ import optax
 import pytest
 
 import eqx_amp
-from eqx_amp._moment_codec import encode
+from eqx_amp._optim._codec import encode
 
 
 BF16 = jnp.bfloat16

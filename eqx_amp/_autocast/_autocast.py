@@ -7,10 +7,11 @@ from typing import Any, ParamSpec, TypeVar, cast, overload
 
 import equinox as eqx
 
-from .._cast import overflows_by_dtype, warn_of_overflow
+from .._core._cast import overflows_by_dtype, warn_of_overflow
+from .._core._describe import is_module
+from .._core._policy import Policy, get_policy, resolve_policy
+from .._core._wrapper import FunctionWrapper, check_callable, user_stacklevel
 from .._jaxpr._evaluate import evaluate_function
-from .._policy import Policy, get_policy, resolve_policy
-from .._wrapper import FunctionWrapper, check_callable, user_stacklevel
 from ._hook import AutocastHook
 from ._rules import RuleTable
 
@@ -59,10 +60,6 @@ class AutocastWrapper(FunctionWrapper[_P, _T]):
         return evaluate_function(
             _call, (self.fn, args, kwargs), hook, params_are=_holds_params
         )
-
-
-def _is_module(node: Any) -> bool:
-    return isinstance(node, eqx.Module)
 
 
 def _holds_params(node: Any) -> bool:
@@ -153,7 +150,7 @@ def autocast(
     overflows: tuple = ()
     # Not `isinstance`: the checker would narrow `fn` to a Module it no longer
     # knows to be callable.
-    if _is_module(fn):
+    if is_module(fn):
         # Matmuls read the weights in the compute dtype. With no policy, the one in
         # force now is checked here, and the call checks the one in force there.
         now = resolve_policy(policy).compute_dtype

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._cast import is_floating_array, is_floating_dtype, widest_dtype
+from .._core._cast import is_floating_array, is_floating_dtype, widest_dtype
 from .._fp8 import FP8_PRIMITIVES, Fp8Rule, product_in_fp8
 from .._jaxpr._hook import Evaluate, Frame, Hook, Origin, is_higher_order, traced_dtypes
 from .._sharding import (

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from .._cast import is_floating_array, widest_dtype
-from .._filters import LAYERS_RETURNING_INPUT_DTYPE_SCOPES
+from .._core._cast import is_floating_array, widest_dtype
+from .._core._filters import LAYERS_RETURNING_INPUT_DTYPE_SCOPES
 from .._jaxpr import _compat as compat
 from .._jaxpr._hook import Frame
 

@@ -9,8 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._cast import at_least_float32, is_floating_array, is_floating_dtype, widest_dtype
-from .._filters import FULL_PRECISION_SCOPE, NORM_SCOPES
+from .._core._cast import (
+    at_least_float32,
+    is_floating_array,
+    is_floating_dtype,
+    widest_dtype,
+)
+from .._core._filters import FULL_PRECISION_SCOPE, NORM_SCOPES
 from .._fp8 import Fp8Rule
 from .._jaxpr import _compat as compat
 from .._jaxpr._hook import MATMUL_PRIMITIVES, Origin

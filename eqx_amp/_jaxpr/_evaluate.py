@@ -44,7 +44,7 @@ import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
 
-from .._cast import is_floating_array
+from .._core._cast import is_floating_array
 from . import _compat as compat
 from ._hook import (
     TRACED_DTYPE_PRIMITIVES,

@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 
-from .._cast import is_floating_array, is_floating_dtype
+from .._core._cast import is_floating_array, is_floating_dtype
 from . import _compat as compat
 
 

@@ -13,12 +13,12 @@ import jax.core
 import jax.numpy as jnp
 from jax import lax
 
-from ._cast import is_floating_array, is_floating_dtype, is_half_dtype
-from ._coverage import coverage_advice
-from ._fp8 import FP8_SCOPE, FP8_SKIPPED_SCOPE
-from ._jaxpr import _compat as compat
-from ._jaxpr._evaluate import evaluate
-from ._jaxpr._hook import (
+from .._core._cast import is_floating_array, is_floating_dtype, is_half_dtype
+from .._core._describe import is_module
+from .._fp8 import FP8_SCOPE, FP8_SKIPPED_SCOPE
+from .._jaxpr import _compat as compat
+from .._jaxpr._evaluate import evaluate
+from .._jaxpr._hook import (
     MATMUL_PRIMITIVES,
     Frame,
     Hook,
@@ -26,6 +26,7 @@ from ._jaxpr._hook import (
     is_higher_order,
     leaf_origins,
 )
+from ._coverage import coverage_advice
 
 
 # Ops that move data without arithmetic: not worth listing as full-precision work.
@@ -300,11 +301,7 @@ def precision_report(fn: Callable, *args: Any, **kwargs: Any) -> PrecisionReport
 
 def _argument_origins(tree: Any) -> list[Origin]:
     """The arrays of Equinox modules (`fn` itself, or arguments) are parameters."""
-    return leaf_origins(eqx.filter(tree, _is_input), _is_module)
-
-
-def _is_module(node: Any) -> bool:
-    return isinstance(node, eqx.Module)
+    return leaf_origins(eqx.filter(tree, _is_input), is_module)
 
 
 class _Census(Hook):

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._cast import is_floating_dtype, is_half_dtype
-from ._jaxpr._evaluate import evaluate
-from ._jaxpr._hook import Frame, Hook, is_higher_order
+from .._core._cast import is_floating_dtype, is_half_dtype
+from .._jaxpr._evaluate import evaluate
+from .._jaxpr._hook import Frame, Hook, is_higher_order
 from ._report import trace
 
 

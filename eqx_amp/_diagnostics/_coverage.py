@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any
 import equinox as eqx
 import jax.numpy as jnp
 
-from ._autocast._autocast import AutocastWrapper
-from ._bimodel import BiModel
-from ._cast import is_half_dtype
-from ._filter_amp import AmpWrapper, kept_layer_names
-from ._filters import LAYERS_RETURNING_INPUT_DTYPE_SCOPES
-from ._policy import resolve_policy
-from ._wrapper import FunctionWrapper
+from .._autocast._autocast import AutocastWrapper
+from .._bimodel import BiModel
+from .._core._cast import is_half_dtype
+from .._core._filters import LAYERS_RETURNING_INPUT_DTYPE_SCOPES
+from .._core._policy import resolve_policy
+from .._core._wrapper import FunctionWrapper
+from .._filter_amp._boundary import kept_layer_names
+from .._filter_amp._filter_amp import AmpWrapper
 
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, Int, PRNGKeyArray, UInt32
 
-from ._moment_codec import (
+from ._codec import (
     MOMENT_FIELDS,
     MOMENT_STORAGES,
     NONNEGATIVE_MOMENTS,
@@ -44,8 +44,8 @@ from ._moment_codec import (
     QuantizedMoment,
     encode,
 )
-from ._optimizers import check_optimizer
 from ._rounding import check_key, check_key_data, key_impl, raw_key_data, wrap_key
+from ._transforms import check_optimizer
 
 
 class LowPrecisionMomentsState(NamedTuple):

@@ -3,6 +3,7 @@
 import abc
 import inspect
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
@@ -65,12 +66,13 @@ def check_callable(fn: Any, transform: str) -> None:
         )
 
 
+_PACKAGE = __name__.partition(".")[0]
 # Frames in these directories are library code: a warning about the user's program
 # points past them, at the user's own line.
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(str(module.__file__))) + os.sep
     for module in (jax, eqx, jaxtyping)
-) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+) + (os.path.dirname(os.path.abspath(str(sys.modules[_PACKAGE].__file__))) + os.sep,)
 
 
 def user_stacklevel() -> int:

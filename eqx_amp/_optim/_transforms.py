@@ -18,7 +18,8 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, PRNGKeyArray, PyTree, UInt32
 
-from ._cast import floating_dtype, is_floating_array, is_inexact_array
+from .._core._cast import floating_dtype, is_floating_array, is_inexact_array
+from .._core._describe import describe, is_none
 from ._rounding import (
     check_compensated_dtype,
     check_key,
@@ -30,13 +31,7 @@ from ._rounding import (
     stochastic_round,
     wrap_key,
 )
-from ._updates import (
-    add_in_float32,
-    add_rounded_once,
-    describe,
-    is_none,
-    paired_leaves,
-)
+from ._updates import add_in_float32, add_rounded_once, paired_leaves
 
 
 def check_optimizer(optimizer: Any, where: str) -> None:

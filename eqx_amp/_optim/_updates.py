@@ -2,12 +2,11 @@
 
 from typing import Any
 
-import equinox as eqx
 import jax.tree_util as jtu
-import numpy as np
 from jaxtyping import PyTree
 
-from ._cast import at_least_float32, is_inexact_array
+from .._core._cast import at_least_float32, is_inexact_array
+from .._core._describe import describe, first_line, is_none
 
 
 UPDATE_FOR_NON_FLOAT = (
@@ -31,23 +30,6 @@ _SOURCES = {
     "eqx.is_inexact_array))`",
     "grads": "`eqx.filter_grad(loss)({name}, ...)`",
 }
-
-
-def is_none(x: Any) -> bool:
-    return x is None
-
-
-def first_line(error: Exception, limit: int = 200) -> str:
-    """The start of an error message from JAX, which can print a whole model."""
-    line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-    line = line.rstrip("(")  # JAX goes on to print the tree on the next lines.
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def describe(x: Any) -> str:
-    if eqx.is_array(x) or isinstance(x, np.ndarray):
-        return f"an array of dtype {x.dtype} and shape {tuple(x.shape)}"
-    return f"{type(x).__name__} {x!r}"
 
 
 def paired_leaves(

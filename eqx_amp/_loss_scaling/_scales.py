@@ -10,11 +10,9 @@ static, so a scale passes through `jax.jit` with every field intact, can be a
 """
 
 import abc
-import contextlib
 import functools as ft
 import numbers
 import operator
-from collections.abc import Hashable
 from typing import Any
 
 import equinox as eqx
@@ -26,33 +24,19 @@ import numpy as np
 from equinox import AbstractVar
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PyTree
 
-from ._cast import at_least_float32, is_inexact_array
+from .._core._cast import at_least_float32, is_inexact_array
+from .._core._describe import describe
 
 
 _GRADS_FINITE_NOT_BOOL = (
     "`grads_finite` must be a boolean scalar, such as the output of "
     "`eqx_amp.all_finite(grads)`, but got {}."
 )
-_PRED_NOT_BOOL = (
-    "`pred` must be a boolean scalar (a Python bool or a bool array of shape ()), "
-    "such as the output of `eqx_amp.all_finite(grads)`, but got {}."
-)
-_STRUCTURE_MISMATCH = (
-    "`a` and `b` must have the same pytree structure (the same containers, module "
-    "types and static fields), so that either can be returned in place of the "
-    "other. `a` is {} and `b` is {}."
-)
 
 
 #
 # Helpers.
 #
-
-
-def _describe(x: Any) -> str:
-    if eqx.is_array(x):
-        return f"an array of dtype {x.dtype} and shape {tuple(x.shape)}"
-    return f"{type(x).__name__} {x!r}"
 
 
 def _scalar_array(value: Any, dtype: Any, argname: str) -> Array:
@@ -67,7 +51,7 @@ def _scalar_array(value: Any, dtype: Any, argname: str) -> Array:
     if not (is_number or is_real_array):
         raise TypeError(
             f"`{argname}` must be a real number or a real scalar array, but got "
-            f"{_describe(value)}."
+            f"{describe(value)}."
         )
     if is_number and jnp.issubdtype(dtype, jnp.integer) and value != int(value):
         raise ValueError(f"`{argname}` must be a whole number, but got {value!r}.")
@@ -127,7 +111,7 @@ def _as_period(period: Any) -> int:
     except TypeError:
         raise TypeError(
             f"`period` must be a Python int (it is static configuration, part of "
-            f"the pytree structure), but got {_describe(period)}."
+            f"the pytree structure), but got {describe(period)}."
         ) from None
     if not 1 <= period <= _MAX_PERIOD:
         raise ValueError(
@@ -147,7 +131,7 @@ def _as_factor(factor: Any) -> int | float:
     ):
         raise TypeError(
             f"`factor` must be a Python int or float (it is static configuration, "
-            f"part of the pytree structure), but got {_describe(factor)}."
+            f"part of the pytree structure), but got {describe(factor)}."
         )
     factor = int(factor) if isinstance(factor, (int, np.integer)) else float(factor)
     if not (1 < factor <= float(_FLOAT32.max)):
@@ -205,9 +189,9 @@ def _check_grads_finite(grads_finite: Any) -> Bool[Array, ""]:
     if isinstance(grads_finite, (bool, np.bool_)):
         return jnp.asarray(grads_finite)
     if not eqx.is_array(grads_finite) or grads_finite.dtype != jnp.bool_:
-        raise TypeError(_GRADS_FINITE_NOT_BOOL.format(_describe(grads_finite)))
+        raise TypeError(_GRADS_FINITE_NOT_BOOL.format(describe(grads_finite)))
     if grads_finite.shape != ():
-        raise ValueError(_GRADS_FINITE_NOT_BOOL.format(_describe(grads_finite)))
+        raise ValueError(_GRADS_FINITE_NOT_BOOL.format(describe(grads_finite)))
     return jnp.asarray(grads_finite)
 
 
@@ -437,160 +421,3 @@ class DynamicLossScale(AbstractLossScale):
         return eqx.tree_at(
             lambda s: (s.loss_scale, s.counter), self, (loss_scale, counter)
         )
-
-
-#
-# Working with gradients.
-#
-
-
-def check_axis_name(axis_name: Any) -> None:
-    try:
-        hash(axis_name)
-    except TypeError:
-        raise TypeError(
-            "`axis_name` must be the (hashable) name of a mapped axis, such as "
-            f"'data', or None, but got {axis_name!r}."
-        ) from None
-
-
-@contextlib.contextmanager
-def unbound_axis_name_error(axis_name: Hashable):
-    """Names the argument when a collective is given an axis that is not mapped."""
-    try:
-        yield
-    except NameError as e:
-        raise NameError(
-            f"`axis_name={axis_name!r}` is not the name of an axis mapped here. Call "
-            "this inside `jax.shard_map`, `jax.pmap` or `jax.vmap` with that axis "
-            f"name, or pass `axis_name=None`. (JAX: {e})"
-        ) from None
-
-
-def _inexact_arrays(tree: PyTree) -> list[Array]:
-    return [x for x in jtu.tree_leaves(tree) if is_inexact_array(x)]
-
-
-def all_finite(tree: PyTree, axis_name: Hashable | None = None) -> Bool[Array, ""]:
-    """Whether every floating (and complex) array in `tree` is free of infs and NaNs.
-
-    **Arguments:**
-
-    - `tree`: any pytree, such as gradients or a whole `eqx.Module`. Integer,
-        boolean and PRNG-key arrays (always finite), `None`, Python scalars and
-        non-array leaves (functions, strings, ...) are ignored.
-    - `axis_name`: the name of a mapped axis (of `jax.shard_map`, `jax.pmap` or
-        `jax.vmap`). If given, the answer is agreed across that axis: `True` on every
-        device only if the arrays are finite on every device.
-
-    **Returns:**
-
-    A boolean scalar array. `True` for a tree with no floating arrays.
-
-    **Example:**
-
-    ```python
-    grads_finite = eqx_amp.all_finite(grads)
-    model = eqx_amp.select_tree(grads_finite, updated_model, model)
-    ```
-    """
-    leaves = _inexact_arrays(tree)
-    if leaves:
-        finite = jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
-    else:
-        finite = jnp.asarray(True)
-    check_axis_name(axis_name)
-    if axis_name is not None:
-        with unbound_axis_name_error(axis_name):
-            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) == 1
-    return finite
-
-
-def _check_pred(pred: Any) -> bool | Bool[Array, ""]:
-    if isinstance(pred, (bool, np.bool_)):
-        return bool(pred)
-    if not eqx.is_array(pred) or pred.dtype != jnp.bool_ or pred.shape != ():
-        raise TypeError(_PRED_NOT_BOOL.format(_describe(pred)))
-    if isinstance(pred, jax.core.Tracer):
-        return pred
-    return bool(pred)
-
-
-def _same_static_leaf(x: Any, y: Any) -> bool:
-    if x is y:
-        return True
-    try:
-        return bool(x == y)
-    except Exception:  # noqa: BLE001 (`==` of arbitrary user objects may raise anything)
-        return False
-
-
-def select_tree(pred: Bool[ArrayLike, ""], a: PyTree, b: PyTree) -> PyTree:
-    """Leafwise `a if pred else b`, for a traced `pred`.
-
-    The usual use is skipping a training step whose gradients are not finite:
-    `select_tree(grads_finite, (new_model, new_opt_state), (model, opt_state))`.
-
-    The choice is made by one `lax.cond` over the whole tree rather than a
-    `lax.select` per leaf. With a select per leaf, XLA duplicates the finiteness
-    checks and parts of the optimizer update into every fused select: on a small
-    transformer the compiled step has about 3x the instructions of one that never
-    skips, against 1.08x with the `lax.cond` (`benchmarks/skip_overhead.py`).
-
-    **Arguments:**
-
-    - `pred`: a boolean scalar: a Python bool, or a bool array of shape `()`.
-    - `a`, `b`: pytrees with the same structure (an `eqx.Module` with non-array
-        leaves is fine). Each pair of array leaves must have the same shape and
-        dtype; each pair of non-array leaves (activation functions, Python scalars,
-        ...) must be equal, and is passed through.
-
-    **Returns:**
-
-    A pytree with the structure of `a`: the arrays of `a` where `pred` is true, those
-    of `b` where it is false. If `pred` is concrete (a Python bool, or an array
-    outside `jit`), `a` or `b` itself is returned.
-
-    **Example:**
-
-    ```python
-    (loss, grads), loss_scale, grads_finite = grad_fn(model, x, y, loss_scale=ls)
-    updates, new_opt_state = optim.update(grads, opt_state, model)
-    new_model = eqx.apply_updates(model, updates)
-    model, opt_state = eqx_amp.select_tree(
-        grads_finite, (new_model, new_opt_state), (model, opt_state)
-    )
-    ```
-    """
-    pred = _check_pred(pred)
-    a_leaves, a_def = jtu.tree_flatten(a)
-    b_leaves, b_def = jtu.tree_flatten(b)
-    if a_def != b_def:
-        raise ValueError(_STRUCTURE_MISMATCH.format(a_def, b_def))
-    for i, (x, y) in enumerate(zip(a_leaves, b_leaves)):
-        x_array = eqx.is_array(x)
-        y_array = eqx.is_array(y)
-        if x_array != y_array:
-            raise ValueError(
-                f"Leaf {i} of `a` is {_describe(x)} but leaf {i} of `b` is "
-                f"{_describe(y)}: either both are arrays or both are the same "
-                "non-array value."
-            )
-        if x_array:
-            if x.shape != y.shape or x.dtype != y.dtype:
-                raise ValueError(
-                    f"Leaf {i} of `a` and `b` must have the same shape and dtype, "
-                    f"but `a` has {_describe(x)} and `b` has {_describe(y)}."
-                )
-        elif not _same_static_leaf(x, y):
-            raise ValueError(
-                f"Leaf {i} is not an array, so it must be the same in `a` and `b` "
-                f"(it is passed through), but `a` has {_describe(x)} and `b` has "
-                f"{_describe(y)}."
-            )
-    if isinstance(pred, bool):
-        return a if pred else b
-    a_dynamic, static = eqx.partition(a, eqx.is_array)
-    b_dynamic, _ = eqx.partition(b, eqx.is_array)
-    chosen = jax.lax.cond(pred, lambda x, _: x, lambda _, y: y, a_dynamic, b_dynamic)
-    return eqx.combine(chosen, static)

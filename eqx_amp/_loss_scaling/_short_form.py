@@ -13,15 +13,13 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, Bool, Int, PyTree
 
-from ._grad import Grads, ScaledOptions, check_decorated, scaled_options, scaled_step
-from ._loss_scale import (
-    AbstractLossScale,
-    DynamicLossScale,
-    all_finite,
-    check_axis_name,
-)
-from ._optimizers import check_optimizer
-from ._wrapper import FunctionWrapper
+from .._core._axes import check_axis_name
+from .._core._wrapper import FunctionWrapper
+from .._optim._transforms import check_optimizer
+from ._grad import Grads
+from ._scaled_step import ScaledOptions, check_decorated, scaled_options, scaled_step
+from ._scales import AbstractLossScale, DynamicLossScale
+from ._skipping import all_finite
 
 
 class LossScalingState(NamedTuple):

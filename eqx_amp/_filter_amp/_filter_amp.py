@@ -1,9 +1,6 @@
 """Call-boundary mixed precision: `filter_amp` and `full_precision`."""
 
-import dataclasses
 import functools as ft
-import operator
-import types
 import warnings
 from collections.abc import Callable
 from typing import (
@@ -19,34 +16,29 @@ from typing import (
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-import numpy as np
-from jaxtyping import PyTree
 
-from ._cast import (
+from .._core._cast import (
     KEEP_OR_RESCALE,
     at_least_float32,
     cast_all_but_state,
-    cast_leaf,
-    drop_state,
-    is_floating_array,
     overflows_by_dtype,
     warn_if_cast_overflows,
     warn_of_overflow,
-    widest_floating_dtype,
 )
-from ._filters import (
+from .._core._describe import is_module
+from .._core._filters import (
     FULL_PRECISION_SCOPE,
-    SELF_CASTING_LAYERS,
-    STATE_TYPES,
     FilterSpec,
     default_filter_spec,
     selection_mask,
 )
-from ._jaxpr._evaluate import evaluate_function
-from ._jaxpr._hook import Origin, leaf_origins
-from ._policy import Policy, get_policy, resolve_policy
-from ._sharding import ReduceInHook
-from ._wrapper import FunctionWrapper, check_callable, user_stacklevel
+from .._core._policy import Policy, get_policy, resolve_policy
+from .._core._wrapper import FunctionWrapper, check_callable, user_stacklevel
+from .._jaxpr._evaluate import evaluate_function
+from .._jaxpr._hook import Origin, leaf_origins
+from .._sharding import ReduceInHook
+from ._boundary import call_at
+from ._view import amp_view, cast_arguments, check_mutable_captures, is_pytree_node
 
 
 _P = ParamSpec("_P")
@@ -60,356 +52,6 @@ _PYTREE_SPEC_NEEDS_PYTREE = (
     "(`filter_amp(model, filter_spec=spec)`), or a bool or a callable "
     "`leaf -> bool`, which is applied to every module the function closes over."
 )
-
-
-#
-# Running a function at another dtype, with casts at its boundary.
-#
-
-
-def _call_at(
-    fn: Callable,
-    args: tuple,
-    kwargs: dict,
-    dtype_of: Callable[[np.dtype], np.dtype],
-) -> Any:
-    """Calls `fn` with floating inputs cast by `dtype_of`, and casts floating outputs
-    back to the widest floating input dtype, so that the caller sees no change of
-    dtype."""
-    caller_dtype = widest_floating_dtype(drop_state((args, kwargs)))
-    args, kwargs = cast_all_but_state((args, kwargs), dtype_of)
-    out = fn(*args, **kwargs)
-    if caller_dtype is None:
-        return out
-    return cast_all_but_state(out, lambda _: caller_dtype)
-
-
-@ft.cache
-def _boundary_class(cls: type, dtype: np.dtype) -> type:
-    """A subclass of `cls` whose `__call__` runs at `dtype` with casts at its own call
-    boundary. A subclass rather than a wrapper, so that `isinstance` checks made by
-    the surrounding model (`eqx.nn.Sequential` looks for `StatefulLayer`) still
-    hold."""
-
-    def __init__(self, module):
-        # The module's fields, as they are: its own checks already ran.
-        for field in dataclasses.fields(module):
-            object.__setattr__(self, field.name, getattr(module, field.name))
-
-    def __call__(self, *args, **kwargs):
-        return _call_at(ft.partial(cls.__call__, self), args, kwargs, lambda _: dtype)
-
-    namespace = {
-        "__init__": __init__,
-        "__call__": __call__,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__,
-    }
-    return type(cls.__name__, (cls,), namespace)
-
-
-def _with_boundary_class(module: eqx.Module, dtype: np.dtype) -> eqx.Module:
-    return _boundary_class(type(module), dtype)(module)
-
-
-def _fully_kept(node: eqx.Module, mask: PyTree[bool]) -> bool:
-    """True when `node` has floating arrays and the spec keeps all of them."""
-    selected = [
-        sel
-        for leaf, sel in zip(jtu.tree_leaves(node), jtu.tree_leaves(mask))
-        if is_floating_array(leaf)
-    ]
-    return bool(selected) and not any(selected)
-
-
-def _runs_at_own_dtype(node: eqx.Module) -> bool:
-    """Equinox's LayerNorm, RMSNorm and GroupNorm (not a subclass that changes their
-    call) compute in float32 and return their input's dtype by themselves."""
-    return any(
-        isinstance(node, layer) and type(node).__call__ is layer.__call__
-        for layer in SELF_CASTING_LAYERS
-    )
-
-
-def _is_boundary_candidate(node: Any) -> bool:
-    return (
-        isinstance(node, eqx.Module)
-        and not isinstance(node, STATE_TYPES)
-        and callable(node)
-        and not _runs_at_own_dtype(node)
-    )
-
-
-# JAX refuses a convolution of two dtypes (where a matmul promotes), so an array made
-# in float32 inside the function (a GAN's noise, a diffusion model's time
-# concatenated with its image) meeting a cast convolution would fail the call with
-# JAX's error. These layers cast their floating inputs to their weight's dtype
-# instead: only calls that would have failed change.
-_CASTS_INPUTS_TO_WEIGHT = (eqx.nn.Conv, eqx.nn.ConvTranspose)
-_CASTS_INPUTS = "_eqx_amp_casts_inputs_to_weight"
-
-
-@ft.cache
-def _input_cast_class(cls: type) -> type:
-    """A subclass of `cls` (a convolution) whose floating inputs are cast to its
-    weight's dtype as it is when called (`full_precision` may have made it float32),
-    and whose floating outputs are then cast back to the caller's dtype."""
-
-    def __init__(self, module):
-        for field in dataclasses.fields(module):
-            object.__setattr__(self, field.name, getattr(module, field.name))
-
-    def __call__(self, *args, **kwargs):
-        call = ft.partial(cls.__call__, self)
-        weight = getattr(self, "weight", None)
-        if weight is None or not is_floating_array(weight):
-            return call(*args, **kwargs)
-        dtype = weight.dtype
-        inputs = jtu.tree_leaves(drop_state((args, kwargs)))
-        if all(x.dtype == dtype for x in inputs if is_floating_array(x)):
-            return call(*args, **kwargs)
-        return _call_at(call, args, kwargs, lambda _: dtype)
-
-    namespace = {
-        "__init__": __init__,
-        "__call__": __call__,
-        _CASTS_INPUTS: True,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__,
-    }
-    return type(cls.__name__, (cls,), namespace)
-
-
-def _casts_inputs_to_weight(node: Any) -> bool:
-    return isinstance(node, _CASTS_INPUTS_TO_WEIGHT) and not getattr(
-        type(node), _CASTS_INPUTS, False
-    )
-
-
-def _add_kept_boundaries(tree: PyTree, mask: PyTree[bool], dtype: np.dtype) -> PyTree:
-    """Makes every callable submodule whose floating leaves are all kept run at
-    `dtype`, with casts at its own call boundary; and every other convolution cast
-    its inputs to its weight's dtype."""
-
-    def replace(node: Any, node_mask: PyTree[bool]) -> Any:
-        if _is_kept_layer(node, node_mask):
-            return _with_boundary_class(node, dtype)
-        if _casts_inputs_to_weight(node):
-            return _input_cast_class(type(node))(node)
-        return None
-
-    return _replace_submodules(tree, mask, replace)
-
-
-def _is_kept_layer(node: Any, node_mask: PyTree[bool]) -> bool:
-    return _is_boundary_candidate(node) and _fully_kept(node, node_mask)
-
-
-def _replace_submodules(
-    tree: PyTree, mask: PyTree[bool], replace: Callable[[Any, PyTree[bool]], Any]
-) -> PyTree:
-    """`tree` with each module for which `replace(module, its mask)` is not `None`
-    (looked for from the outside in) replaced by what it returns."""
-
-    def visit(node, node_mask):
-        replaced = replace(node, node_mask)
-        if replaced is not None:
-            return replaced
-        is_child_module = lambda x: x is not node and isinstance(x, eqx.Module)  # noqa: E731
-        children_leaves = jtu.tree_leaves(node, is_leaf=is_child_module)
-        if not any(isinstance(c, eqx.Module) for c in children_leaves):
-            return node
-        return jtu.tree_map(visit, node, node_mask, is_leaf=is_child_module)
-
-    return visit(tree, mask)
-
-
-def kept_layer_names(tree: PyTree, filter_spec: FilterSpec | None) -> set[str]:
-    """The classes of the submodules of `tree` that `filter_amp` (and `BiModel`)
-    run in the parameter dtype at their own call boundary, because `filter_spec`
-    keeps all their floating leaves (normalisation layers, by default)."""
-    spec = default_filter_spec(tree) if filter_spec is None else filter_spec
-    names: set[str] = set()
-
-    def record(node: Any, node_mask: PyTree[bool]) -> Any:
-        if _is_kept_layer(node, node_mask):
-            names.add(type(node).__name__)
-            return node
-        return None
-
-    _replace_submodules(tree, selection_mask(tree, spec), record)
-    return names
-
-
-#
-# Views of a callable with its parameters cast.
-#
-
-
-def _cast_module(
-    tree: PyTree, policy: Policy, filter_spec: FilterSpec | None
-) -> PyTree:
-    spec = default_filter_spec(tree) if filter_spec is None else filter_spec
-    return _cast_selected(tree, selection_mask(tree, spec), policy)
-
-
-_ARG_SPEC_MISMATCH = (
-    "`arg_spec` does not fit the arguments `({args}, {kwargs})` of this call: it "
-    "must be a bool, a callable `leaf -> bool`, or a pytree prefix of `(args, "
-    "kwargs)`, such as `((False, True), {{}})` to keep the first positional argument "
-    "in its dtype. ({error})"
-)
-
-
-def _cast_arguments(
-    args: tuple, kwargs: dict, policy: Policy, arg_spec: FilterSpec | None
-) -> tuple[tuple, dict]:
-    """The call's floating arguments cast to the compute dtype, those `arg_spec`
-    selects (all by default); `eqx.nn.State` never."""
-    tree = (args, kwargs)
-    default = selection_mask(tree, default_filter_spec(tree))
-    if arg_spec is None:
-        return _cast_selected(tree, default, policy)
-    try:
-        chosen = selection_mask(tree, arg_spec)
-    except ValueError as error:
-        raise ValueError(
-            _ARG_SPEC_MISMATCH.format(
-                args=f"{len(args)} positional", kwargs=sorted(kwargs), error=error
-            )
-        ) from None
-    return _cast_selected(tree, jtu.tree_map(operator.and_, chosen, default), policy)
-
-
-def _cast_selected(tree: PyTree, mask: PyTree[bool], policy: Policy) -> PyTree:
-    compute = policy.compute_dtype
-    cast = jtu.tree_map(
-        lambda selected, leaf: cast_leaf(leaf, compute) if selected else leaf,
-        mask,
-        tree,
-    )
-    return _add_kept_boundaries(cast, mask, policy.param_dtype)
-
-
-def _amp_view(
-    fn: Any,
-    policy: Policy,
-    filter_spec: FilterSpec | None,
-    memo: dict[int, Any],
-    copies: list[tuple[Any, Any]] | None = None,
-) -> Any:
-    """`fn` with the floating leaves it holds cast to the compute dtype: the leaves of
-    a module, of the object a method is bound to, of the arguments of a
-    `functools.partial`, and of the values a function closes over or takes as
-    defaults. Lists, dicts and other mutable objects are passed as they are (never
-    copied), so a function's changes to them are seen. `memo` maps each object seen
-    to its view, so that a recursive function calls its own view; `copies` gets
-    each pytree cast and its cast copy."""
-    key = id(fn)
-    if key in memo:
-        return memo[key]
-    view = lambda x: _amp_view(x, policy, filter_spec, memo, copies)  # noqa: E731
-    if isinstance(fn, eqx.Module) or _is_pytree_node(fn) or is_floating_array(fn):
-        memo[key] = _cast_module(fn, policy, filter_spec)
-        if copies is not None:
-            copies.append((fn, memo[key]))
-    elif isinstance(fn, types.MethodType):
-        memo[key] = types.MethodType(fn.__func__, view(fn.__self__))
-    elif isinstance(fn, ft.partial):
-        memo[key] = ft.partial(
-            view(fn.func),
-            *map(view, fn.args),
-            **{k: view(v) for k, v in fn.keywords.items()},
-        )
-    elif isinstance(fn, types.FunctionType):
-        _function_view(fn, view, memo)
-    elif isinstance(fn, tuple):
-        items = [view(item) for item in fn]
-        memo[key] = type(fn)(*items) if hasattr(fn, "_fields") else tuple(items)
-    else:
-        memo[key] = fn
-    return memo[key]
-
-
-def _function_view(fn: types.FunctionType, view: Callable, memo: dict) -> None:
-    if not (fn.__closure__ or fn.__defaults__ or fn.__kwdefaults__):
-        memo[id(fn)] = fn
-        return
-    # The new function is in `memo` before its cells are filled: a cell holding the
-    # function itself (a recursive local function) then holds the new one.
-    cells = tuple(types.CellType() for _ in fn.__closure__ or ())
-    new_fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, None, cells)
-    memo[id(fn)] = new_fn
-    for cell, new_cell in zip(fn.__closure__ or (), cells):
-        try:
-            new_cell.cell_contents = view(cell.cell_contents)
-        except ValueError:  # A cell not yet filled: it stays empty.
-            pass
-    if fn.__defaults__:
-        new_fn.__defaults__ = tuple(map(view, fn.__defaults__))
-    if fn.__kwdefaults__:
-        new_fn.__kwdefaults__ = {k: view(v) for k, v in fn.__kwdefaults__.items()}
-    new_fn.__dict__.update(fn.__dict__)
-    new_fn.__qualname__ = fn.__qualname__
-
-
-_MUTABLE_HOLDS_WEIGHTS = (
-    "`filter_amp` was given a function that closes over {what} `{name}` holding "
-    "modules or floating arrays. Lists and dicts are passed to the function as they "
-    "are, never copied (so that its changes to them are seen), and so their weights "
-    "would not be cast. Hold them in a tuple or an `eqx.Module`, or pass them as an "
-    "argument."
-)
-
-
-def _check_mutable_captures(fn: Any, seen: set | None = None) -> None:
-    """Fails where a function closes over a list or dict of weights."""
-    seen = set() if seen is None else seen
-    if id(fn) in seen:
-        return
-    seen.add(id(fn))
-    if isinstance(fn, types.MethodType):
-        return _check_mutable_captures(fn.__func__, seen)
-    if isinstance(fn, ft.partial):
-        for item in (fn.func, *fn.args, *fn.keywords.values()):
-            _check_mutable_captures(item, seen)
-        return
-    if not isinstance(fn, types.FunctionType):
-        return
-    names = fn.__code__.co_freevars
-    captured = []
-    for name, cell in zip(names, fn.__closure__ or ()):
-        try:
-            captured.append((name, cell.cell_contents))
-        except ValueError:
-            continue
-    defaults = fn.__defaults__ or ()
-    captured += [(f"default argument {i}", d) for i, d in enumerate(defaults)]
-    captured += list((fn.__kwdefaults__ or {}).items())
-    for name, value in captured:
-        if isinstance(value, (list, dict, set)) and _holds_weights(value):
-            what = "a list" if isinstance(value, list) else f"a {type(value).__name__}"
-            raise TypeError(_MUTABLE_HOLDS_WEIGHTS.format(what=what, name=name))
-        if isinstance(value, (types.FunctionType, ft.partial, types.MethodType)):
-            _check_mutable_captures(value, seen)
-
-
-def _holds_weights(container: Any) -> bool:
-    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
-    return any(
-        is_module(leaf) or is_floating_array(leaf)
-        for leaf in jtu.tree_leaves(container, is_leaf=is_module)
-    )
-
-
-def _is_pytree_node(obj: Any) -> bool:
-    """Registered pytree nodes other than plain containers (those are handled with
-    the closure logic so that functions inside them are looked into too)."""
-    if isinstance(obj, (list, tuple, dict)) or obj is None:
-        return False
-    return jtu.treedef_is_leaf(jtu.tree_structure(obj)) is False
 
 
 @runtime_checkable
@@ -454,8 +96,8 @@ class AmpWrapper(FunctionWrapper[_P, _T]):
             stacklevel=user_stacklevel() + 1,  # warned one call down
         )
         copies: list[tuple[Any, Any]] = []
-        fn = _amp_view(self.fn, policy, self.filter_spec, {}, copies)
-        cast_args, cast_kwargs = _cast_arguments(args, kwargs, policy, self.arg_spec)
+        fn = amp_view(self.fn, policy, self.filter_spec, {}, copies)
+        cast_args, cast_kwargs = cast_arguments(args, kwargs, policy, self.arg_spec)
         copies.append(((args, kwargs), (cast_args, cast_kwargs)))
         if self.fp8 is not None:
             _check_fp8_policy(policy)
@@ -485,7 +127,7 @@ class AmpWrapper(FunctionWrapper[_P, _T]):
                 _call,
                 (fn, cast_args, cast_kwargs),
                 ReduceInHook(policy.reduce_dtype),
-                params_are=_is_module,
+                params_are=is_module,
             )
         return cast_all_but_state(out, lambda _: policy.output_dtype)
 
@@ -498,7 +140,7 @@ def _arrays_of_selected(
     found: list[Any] = []
 
     def visit(original, copy):
-        if _is_module(original) and selected(original):
+        if is_module(original) and selected(original):
             found.extend(leaf for leaf in jtu.tree_leaves(copy) if eqx.is_array(leaf))
             return
         originals = _children(original)
@@ -506,7 +148,7 @@ def _arrays_of_selected(
         if len(originals) != len(copied):  # not a copy of the same structure
             return
         for child, child_copy in zip(originals, copied):
-            if _is_module(child):
+            if is_module(child):
                 visit(child, child_copy)
 
     for original, copy in copies:
@@ -516,7 +158,7 @@ def _arrays_of_selected(
 
 def _children(node: Any) -> list[Any]:
     """The leaves of `node`, its submodules (other than itself) counted as leaves."""
-    return jtu.tree_leaves(node, is_leaf=lambda x: x is not node and _is_module(x))
+    return jtu.tree_leaves(node, is_leaf=lambda x: x is not node and is_module(x))
 
 
 def fp8_selection(tree: Any, fp8_filter: Callable[[Any], Any]) -> tuple[bool, ...]:
@@ -524,14 +166,14 @@ def fp8_selection(tree: Any, fp8_filter: Callable[[Any], Any]) -> tuple[bool, ..
     outside in (a module it selects is selected whole)."""
 
     def picked(node: Any) -> bool:
-        return _is_module(node) and bool(fp8_filter(node))
+        return is_module(node) and bool(fp8_filter(node))
 
     return tuple(origin is Origin.PARAMS for origin in leaf_origins(tree, picked))
 
 
 def _warn_fp8_filter_selects_nothing(copies: list[tuple[Any, Any]]) -> None:
     has_modules = any(
-        _is_module(node)
+        is_module(node)
         for original, _ in copies
         for node in [original, *_children(original)]
     )
@@ -581,10 +223,6 @@ def _check_fp8_options(fp8: Any, fp8_filter: Any) -> None:
 
 def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
     return fn(*args, **kwargs)
-
-
-def _is_module(node: Any) -> bool:
-    return isinstance(node, eqx.Module)
 
 
 @overload
@@ -684,10 +322,10 @@ def filter_amp(
         policy = get_policy(policy)
     _check_filter_spec(fn, filter_spec)
     _check_arg_spec(arg_spec)
-    _check_mutable_captures(fn)
+    check_mutable_captures(fn)
     overflows = _warn_if_weights_overflow(fn, policy, filter_spec)
     fp8_selected = None
-    if fp8_filter is not None and (isinstance(fn, eqx.Module) or _is_pytree_node(fn)):
+    if fp8_filter is not None and (isinstance(fn, eqx.Module) or is_pytree_node(fn)):
         # Asked now, of the module given: the wrapper below holds a rebuilt copy.
         fp8_selected = fp8_selection(fn, fp8_filter)
     wrapper = AmpWrapper(
@@ -715,7 +353,7 @@ def _warn_if_weights_overflow(
     cast to inf, when `filter_amp` is applied. With no policy, the one in force
     now is checked, and what other compute dtypes would make inf is returned, for
     the call to say where a `using_policy` block sets one."""
-    if not (isinstance(fn, eqx.Module) or _is_pytree_node(fn)):
+    if not (isinstance(fn, eqx.Module) or is_pytree_node(fn)):
         return ()
     spec = default_filter_spec(fn) if filter_spec is None else filter_spec
     mask = selection_mask(fn, spec)
@@ -765,7 +403,7 @@ def _check_filter_spec(fn: Any, filter_spec: FilterSpec | None) -> None:
     """Fails at `filter_amp(...)` rather than at the first call, from inside a jit."""
     if filter_spec is None:
         return
-    if isinstance(fn, eqx.Module) or _is_pytree_node(fn):
+    if isinstance(fn, eqx.Module) or is_pytree_node(fn):
         selection_mask(fn, filter_spec)
     elif not (isinstance(filter_spec, bool) or callable(filter_spec)):
         raise ValueError(_PYTREE_SPEC_NEEDS_PYTREE)
@@ -784,10 +422,10 @@ class FullPrecisionWrapper(FunctionWrapper[_P, _T]):
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         fn = self.fn
-        if isinstance(fn, eqx.Module) or _is_pytree_node(fn):
+        if isinstance(fn, eqx.Module) or is_pytree_node(fn):
             fn = cast_all_but_state(fn, at_least_float32)
         with jax.named_scope(FULL_PRECISION_SCOPE):
-            return _call_at(fn, args, kwargs, at_least_float32)
+            return call_at(fn, args, kwargs, at_least_float32)
 
 
 class _FullPrecisionScope:
