@@ -1,9 +1,10 @@
 """Automatic mixed precision for JAX, native to Equinox.
 
-The everyday names are here; the specialist ones live in sub-namespaces:
-`eqx_amp.rules` (autocast's rule table), `eqx_amp.fp8` (fp8 matmuls),
-`eqx_amp.optim` (optimizer-state precision), `eqx_amp.sharding` (multi-device
-helpers) and `eqx_amp.diagnostics` (the types of the reports).
+The everyday names are here, autocast's rules (`LOW`, `FULL`, `PROMOTE`, `KEEP`,
+`DEFAULT_RULES`) among them; the specialist ones live in sub-namespaces:
+`eqx_amp.fp8` (fp8 matmuls), `eqx_amp.optim` (optimizer-state precision),
+`eqx_amp.sharding` (multi-device helpers) and `eqx_amp.diagnostics` (the types of
+the reports).
 """
 
 import importlib.metadata as _metadata
@@ -11,9 +12,13 @@ import importlib.metadata as _metadata
 from . import diagnostics as diagnostics
 from . import fp8 as fp8
 from . import optim as optim
-from . import rules as rules
 from . import sharding as sharding
 from ._autocast._autocast import autocast as autocast
+from ._autocast._rules import DEFAULT_RULES as DEFAULT_RULES
+from ._autocast._rules import FULL as FULL
+from ._autocast._rules import KEEP as KEEP
+from ._autocast._rules import LOW as LOW
+from ._autocast._rules import PROMOTE as PROMOTE
 from ._bimodel import BiModel as BiModel
 from ._core._cast import cast_tree as cast_tree
 from ._core._filters import default_filter_spec as default_filter_spec

@@ -205,7 +205,7 @@ _HIGHER_ORDER = (
     "again (a Hessian, a Hessian-vector product, `jax.jvp` of a gradient) would round "
     "the second-order terms to fp8 without scales. Keep the products such a "
     "derivative goes through out of fp8 (an `fp8_filter`, or a scope rule "
-    "`eqx_amp.rules.LOW`), or differentiate once."
+    "`eqx_amp.LOW`), or differentiate once."
 )
 
 

@@ -140,7 +140,7 @@ def test_only_norm_layers_hand_back_their_input_dtype(getkey):
         return jnp.tanh(y)
 
     x = jr.normal(getkey(), (16,))
-    amp = eqx_amp.autocast(lambda x: fn(x @ w), rules={"head": eqx_amp.rules.FULL})
+    amp = eqx_amp.autocast(lambda x: fn(x @ w), rules={"head": eqx_amp.FULL})
     ((tanh, _),) = eqns_named(traced(amp, x), "tanh")
     assert in_dtypes(tanh) == [F32]
 
@@ -288,9 +288,9 @@ def test_bad_inputs():
     ):
         eqx_amp.autocast(jnp.sin, rules={lax.sin_p: "low"})
     with pytest.raises(TypeError, match=r"`rules` keys must be JAX primitives"):
-        eqx_amp.autocast(jnp.sin, rules={jnp.sin: eqx_amp.rules.LOW})
+        eqx_amp.autocast(jnp.sin, rules={jnp.sin: eqx_amp.LOW})
     with pytest.raises(TypeError, match=r"`rules` must be a mapping"):
-        eqx_amp.autocast(jnp.sin, rules=[eqx_amp.rules.LOW])
+        eqx_amp.autocast(jnp.sin, rules=[eqx_amp.LOW])
     with pytest.raises(TypeError, match=r"`autocast` takes a callable.*got int"):
         eqx_amp.autocast(3)
     with pytest.raises(ValueError, match=r"Unknown policy 'bf17'"):

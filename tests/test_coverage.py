@@ -113,7 +113,7 @@ def test_no_advice_where_there_is_nothing_to_fix():
     assert _report(_rnn(8), _XS[0]).advice == ""
     # Under `autocast` every matmul reads the compute dtype but those its rules keep.
     assert _report(eqx_amp.autocast(_rnn(8)), _XS[0]).advice == ""
-    kept = eqx_amp.autocast(_rnn(8), rules={jax.lax.dot_general_p: eqx_amp.rules.FULL})
+    kept = eqx_amp.autocast(_rnn(8), rules={jax.lax.dot_general_p: eqx_amp.FULL})
     report = _report(kept, _XS[0])
     assert report.low_precision_share == 0.0 and report.advice == ""
 

@@ -214,7 +214,7 @@ def test_outputs_are_arrays_of_the_traced_types(getkey):
 
 def test_ragged_dot_runs_in_the_compute_dtype(getkey):
     assert compat.ragged_dot_general_p is not None
-    assert eqx_amp.rules.DEFAULT_RULES[compat.ragged_dot_general_p] is eqx_amp.rules.LOW
+    assert eqx_amp.DEFAULT_RULES[compat.ragged_dot_general_p] is eqx_amp.LOW
     lhs = jr.normal(getkey(), (6, 4))
     rhs = jr.normal(getkey(), (2, 4, 3))
     sizes = jnp.array([2, 4], jnp.int32)

@@ -153,7 +153,7 @@ def test_cnn_matmuls_and_bias_adds_in_bfloat16_norm_statistics_in_float32():
     # The rule the example needed before `square` was float32 by default changes
     # nothing now.
     with_rule = eqx_amp.autocast(
-        forward, policy=POLICY, rules={jax.lax.square_p: eqx_amp.rules.FULL}
+        forward, policy=POLICY, rules={jax.lax.square_p: eqx_amp.FULL}
     )
     assert str(jax.make_jaxpr(with_rule)(params, rest, images)) == str(jaxpr)
     # The guide's limitation: in training, NNX's norms hand back float32 (they
@@ -330,7 +330,7 @@ def test_nnx_norm_variance_in_float32_after_bfloat16_input():
     # What the default guards against: a square that follows its bfloat16 input
     # (the default before the fix) puts the output percents off.
     old = eqx_amp.autocast(
-        forward, policy=POLICY, rules={jax.lax.square_p: eqx_amp.rules.PROMOTE}
+        forward, policy=POLICY, rules={jax.lax.square_p: eqx_amp.PROMOTE}
     )
     assert ops_in(jax.make_jaxpr(old)(params, rest, x), "square") == [[BF16], [F32]]
     assert rel_error(old(params, rest, x), ref) > 1e-2

@@ -199,7 +199,7 @@ def test_autocast_fp8_rule_runs_matmuls_in_fp8_and_reports_them(getkey):
     assert report.low_precision_share == 1.0
     assert report.fp8_skipped == ()
     # A scope rule keeps the head in bfloat16.
-    rules = {jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE, "head": eqx_amp.rules.LOW}
+    rules = {jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE, "head": eqx_amp.LOW}
     forward = eqx_amp.autocast(
         eqx.filter_vmap(model), policy="mixed_bfloat16", rules=rules
     )

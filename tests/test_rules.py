@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+import pytest
 from jax import lax
 
 import eqx_amp
@@ -25,8 +26,8 @@ F32, BF16, F16 = jnp.dtype("float32"), jnp.dtype("bfloat16"), jnp.dtype("float16
 
 
 def test_default_rules_table():
-    assert eqx_amp.rules.DEFAULT_RULES[lax.dot_general_p] is eqx_amp.rules.LOW
-    assert eqx_amp.rules.DEFAULT_RULES[lax.conv_general_dilated_p] is eqx_amp.rules.LOW
+    assert eqx_amp.DEFAULT_RULES[lax.dot_general_p] is eqx_amp.LOW
+    assert eqx_amp.DEFAULT_RULES[lax.conv_general_dilated_p] is eqx_amp.LOW
     for p in (
         lax.exp_p,
         lax.log_p,
@@ -36,7 +37,7 @@ def test_default_rules_table():
         lax.pow_p,
         lax.erf_inv_p,
     ):
-        assert eqx_amp.rules.DEFAULT_RULES[p] is eqx_amp.rules.FULL, p
+        assert eqx_amp.DEFAULT_RULES[p] is eqx_amp.FULL, p
     for p in (
         lax.add_p,
         lax.mul_p,
@@ -48,17 +49,17 @@ def test_default_rules_table():
         lax.dynamic_update_slice_p,
         lax.scatter_add_p,
     ):
-        assert eqx_amp.rules.DEFAULT_RULES[p] is eqx_amp.rules.PROMOTE, p
-    assert eqx_amp.rules.DEFAULT_RULES[lax.square_p] is eqx_amp.rules.FULL
+        assert eqx_amp.DEFAULT_RULES[p] is eqx_amp.PROMOTE, p
+    assert eqx_amp.DEFAULT_RULES[lax.square_p] is eqx_amp.FULL
     assert (
-        eqx_amp.rules.DEFAULT_RULES[lax.gather_p]
-        is eqx_amp.rules.DEFAULT_RULES[lax.dynamic_slice_p]
+        eqx_amp.DEFAULT_RULES[lax.gather_p]
+        is eqx_amp.DEFAULT_RULES[lax.dynamic_slice_p]
     )
-    assert eqx_amp.rules.DEFAULT_RULES["eqx.nn.LayerNorm"] is eqx_amp.rules.FULL
+    assert eqx_amp.DEFAULT_RULES["eqx.nn.LayerNorm"] is eqx_amp.FULL
     assert (
-        eqx_amp.rules.DEFAULT_RULES["eqx_amp.full_precision"] is eqx_amp.rules.AS_TRACED
+        eqx_amp.DEFAULT_RULES["eqx_amp.full_precision"] is eqx_amp.KEEP
     )
-    assert repr(eqx_amp.rules.LOW) == "eqx_amp.rules.LOW"
+    assert repr(eqx_amp.LOW) == "eqx_amp.LOW"
 
 
 def test_primitive_rules_and_builtin_values(getkey):
@@ -69,16 +70,16 @@ def test_primitive_rules_and_builtin_values(getkey):
 
     x = jr.normal(getkey(), (4,))
     full_matmul = traced(
-        eqx_amp.autocast(fn, rules={lax.dot_general_p: eqx_amp.rules.FULL}), x
+        eqx_amp.autocast(fn, rules={lax.dot_general_p: eqx_amp.FULL}), x
     )
     assert ops_in(full_matmul, "dot_general") == [[F32, F32]]
-    low_exp = traced(eqx_amp.autocast(fn, rules={lax.exp_p: eqx_amp.rules.LOW}), x)
+    low_exp = traced(eqx_amp.autocast(fn, rules={lax.exp_p: eqx_amp.LOW}), x)
     assert ops_in(low_exp, "exp") == [[BF16]]
     kept = traced(
-        eqx_amp.autocast(fn, rules={lax.dot_general_p: eqx_amp.rules.AS_TRACED}), x
+        eqx_amp.autocast(fn, rules={lax.dot_general_p: eqx_amp.KEEP}), x
     )
     assert ops_in(kept, "dot_general") == [[F32, F32]]
-    promoted = traced(eqx_amp.autocast(fn, rules={lax.exp_p: eqx_amp.rules.PROMOTE}), x)
+    promoted = traced(eqx_amp.autocast(fn, rules={lax.exp_p: eqx_amp.PROMOTE}), x)
     assert ops_in(promoted, "exp") == [[BF16]]
 
 
@@ -109,7 +110,7 @@ def test_scope_rules_innermost_wins_and_reach_sub_jaxprs(getkey):
 
     x = jr.normal(getkey(), (4,))
     amp = eqx_amp.autocast(
-        fn, rules={"outer": eqx_amp.rules.FULL, "inner": eqx_amp.rules.LOW}
+        fn, rules={"outer": eqx_amp.FULL, "inner": eqx_amp.LOW}
     )
     dots = [(s, in_dtypes(e)) for e, s in eqns_named(traced(amp, x), "dot_general")]
     assert dots == [
@@ -244,8 +245,8 @@ def test_embedding_lookups_are_activations(getkey):
     assert in_dtypes(dynamic_slice)[0] == BF16
 
     keep = {
-        lax.gather_p: eqx_amp.rules.AS_TRACED,
-        lax.dynamic_slice_p: eqx_amp.rules.AS_TRACED,
+        lax.gather_p: eqx_amp.KEEP,
+        lax.dynamic_slice_p: eqx_amp.KEEP,
     }
     kept = traced(eqx_amp.autocast(residual_stream, rules=keep), tokens)
     assert float_adds(kept)[0] == [F32, F32]
@@ -362,3 +363,20 @@ def test_linear_algebra_runs_in_float32(getkey):
             assert set(in_dtypes(eqn)) <= {F32, jnp.dtype(jnp.int32)}, name
     assert rel_error(eqx_amp.autocast(solve)(a, b), solve(a, b)) < 2e-2
     assert rel_error(eqx_amp.autocast(chol)(a), chol(a)) < 2e-2
+
+
+def test_keep_and_KEEP_cannot_be_swapped_silently(getkey):
+    """`eqx_amp.keep` (a filter spec) and `eqx_amp.KEEP` (an autocast rule) are both
+    founding names; each used in the other's place names the right one."""
+    model = eqx.nn.MLP(4, 2, 8, 1, key=getkey())
+    x = jnp.ones(4)
+    with pytest.raises(TypeError, match=r"is `eqx_amp\.keep`, which builds a filter"):
+        eqx_amp.autocast(model, rules={jax.lax.dot_general_p: eqx_amp.keep})(x)
+    for rule in (eqx_amp.KEEP, eqx_amp.LOW, eqx_amp.FULL, eqx_amp.PROMOTE):
+        message = rf"`{rule!r}` is an autocast rule.*`filter_spec=eqx_amp\.keep\("
+        with pytest.raises(TypeError, match=message):
+            eqx_amp.filter_amp(model, filter_spec=rule)(x)
+        with pytest.raises(TypeError, match=message):
+            eqx_amp.cast_tree(model, jnp.bfloat16, rule)
+        with pytest.raises(TypeError, match=message):
+            eqx_amp.BiModel(model, filter_spec=rule)

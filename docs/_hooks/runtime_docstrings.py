@@ -1,7 +1,7 @@
 """Griffe extension: docstrings of module-level objects that set their own `__doc__`.
 
 mkdocstrings reads the package by static analysis, which finds docstrings in the
-source. The autocast rules (`eqx_amp.rules.LOW`, `FULL`, `PROMOTE`, `KEEP`) and the fp8 rules
+source. The autocast rules (`eqx_amp.LOW`, `FULL`, `PROMOTE`, `KEEP`) and the fp8 rules
 (`FP8`, `FP8_ROWWISE`) are instances whose documentation is set at runtime (a `doc`
 argument, or their class's docstring), which static analysis cannot see. For each
 module-level attribute of `eqx_amp` without a docstring, this imports the module and

@@ -117,7 +117,7 @@ def autocast(
         `None` means `default_policy()` where the call is traced (set it once with
         `eqx_amp.using_policy`).
     - `rules`: a mapping from JAX primitives (`jax.lax.exp_p`) or `jax.named_scope`
-        names to `eqx_amp.rules.LOW`, `FULL`, `PROMOTE`, `AS_TRACED`, `eqx_amp.fp8.TENSORWISE`, `ROWWISE` or a
+        names to `eqx_amp.LOW`, `FULL`, `PROMOTE`, `KEEP`, `eqx_amp.fp8.TENSORWISE`, `ROWWISE` or a
         callable `rule(compute_dtype, original_dtypes, *invals, **params) ->
         (invals, params)` (jaxamp's signature), merged over `DEFAULT_RULES`. The
         innermost matching named scope wins over primitive rules; ops no rule covers
@@ -137,7 +137,7 @@ def autocast(
 
     ```python
     model = eqx.nn.MLP(784, 10, 256, 2, key=jax.random.key(0))
-    forward = eqx_amp.autocast(eqx.filter_vmap(model), rules={"attention": eqx_amp.rules.FULL})
+    forward = eqx_amp.autocast(eqx.filter_vmap(model), rules={"attention": eqx_amp.FULL})
     logits = forward(images)          # matmuls in bf16, float32 logits
     loss, grads = eqx.filter_value_and_grad(eqx_amp.autocast(loss_fn))(model, x, y)
     ```
@@ -172,6 +172,6 @@ def autocast(
 
 _RUNS_MATMULS_IN = "`autocast` runs matmuls in"
 _KEEP_OPS_OR_RESCALE = (
-    "Keep those ops in float32 with a rule (`rules={scope: eqx_amp.rules.FULL}`), use "
+    "Keep those ops in float32 with a rule (`rules={scope: eqx_amp.FULL}`), use "
     "bfloat16 (float32's range), or rescale the model."
 )

@@ -15,7 +15,7 @@ from .._core._cast import (
     is_floating_dtype,
     widest_dtype,
 )
-from .._core._filters import FULL_PRECISION_SCOPE, NORM_SCOPES
+from .._core._filters import FULL_PRECISION_SCOPE, NORM_SCOPES, keep
 from .._fp8 import Fp8Rule
 from .._jaxpr import _compat as compat
 from .._jaxpr._hook import MATMUL_PRIMITIVES, Origin
@@ -76,8 +76,21 @@ def promotion_dtypes(
     return data or _floating_dtypes(invals)
 
 
+_NOT_A_RULE_CALL: Any = object()
+_RULE_AS_FILTER_SPEC = (
+    "`eqx_amp.{0}` is an autocast rule, for `eqx_amp.autocast(fn, rules=...)`, not a "
+    "filter spec. To keep modules in their parameter dtype under `filter_amp`, "
+    "`BiModel` or `cast_tree`, pass `filter_spec=eqx_amp.keep(model, Type, ...)`."
+)
+_FILTER_SPEC_AS_RULE = (
+    "The rule for {!r} is `eqx_amp.keep`, which builds a filter spec for "
+    "`filter_amp`, `BiModel` and `cast_tree`. The autocast rule that runs an op in "
+    "the dtypes it was traced with is `eqx_amp.KEEP`."
+)
+
+
 class BuiltinRule:
-    """One of `LOW`, `FULL`, `PROMOTE`, `AS_TRACED`. Built-in rules are themselves
+    """One of `LOW`, `FULL`, `PROMOTE`, `KEEP`. Built-in rules are themselves
     callables with the jaxamp signature, so user rules can wrap them."""
 
     # `target` is `None` for a subclass that overrides `cast`.
@@ -86,7 +99,12 @@ class BuiltinRule:
         self._target = target
         self.__doc__ = doc
 
-    def __call__(self, compute_dtype, original_dtypes, *invals, **params):
+    def __call__(
+        self, compute_dtype, original_dtypes=_NOT_A_RULE_CALL, *invals, **params
+    ):
+        if original_dtypes is _NOT_A_RULE_CALL:
+            # Called with one argument: used as a filter spec (`leaf -> bool`).
+            raise TypeError(_RULE_AS_FILTER_SPEC.format(self.name))
         return self.cast(
             compute_dtype, original_dtypes, invals, [Origin.DATA] * len(invals)
         ), params
@@ -110,7 +128,7 @@ class BuiltinRule:
         return [cast(v, t, o) for v, t, o in zip(invals, targets, origins)]
 
     def __repr__(self) -> str:
-        return f"eqx_amp.rules.{self.name}"
+        return f"eqx_amp.{self.name}"
 
     def __reduce__(self):
         return self.name
@@ -134,14 +152,14 @@ PROMOTE = BuiltinRule(
     "inputs (binary and n-ary elementwise ops, which need their operands to agree); "
     "parameters and constants follow, as weakly typed values do in JAX.",
 )
-AS_TRACED = BuiltinRule(
-    "AS_TRACED",
+KEEP = BuiltinRule(
+    "KEEP",
     lambda compute, original, current, all_current: (
         original if is_floating_dtype(original) else current
     ),
     "Casts floating inputs back to the dtypes the original program had.",
 )
-BUILTIN_RULES = (LOW, FULL, PROMOTE, AS_TRACED)
+BUILTIN_RULES = (LOW, FULL, PROMOTE, KEEP)
 
 
 class _ParameterLookup(BuiltinRule):
@@ -159,7 +177,7 @@ class _ParameterLookup(BuiltinRule):
         return [table, *positions]
 
     def __repr__(self) -> str:
-        return "eqx_amp.rules.DEFAULT_RULES[jax.lax.gather_p]"
+        return "eqx_amp.DEFAULT_RULES[jax.lax.gather_p]"
 
 
 LOOKUP = _ParameterLookup("LOOKUP", None, _ParameterLookup.__doc__)
@@ -229,7 +247,7 @@ def _default_rules() -> dict[Any, Any]:
 
     for scope in NORM_SCOPES:
         rules[scope] = FULL
-    rules[FULL_PRECISION_SCOPE] = AS_TRACED
+    rules[FULL_PRECISION_SCOPE] = KEEP
     return rules
 
 
@@ -241,7 +259,7 @@ _BAD_KEY = (
 )
 _BAD_VALUE = (
     "The rule for {!r} is {!r}, which is not a rule. A rule is one of "
-    "`eqx_amp.rules.LOW`, `eqx_amp.rules.FULL`, `eqx_amp.rules.PROMOTE`, `eqx_amp.rules.AS_TRACED`, "
+    "`eqx_amp.LOW`, `eqx_amp.FULL`, `eqx_amp.PROMOTE`, `eqx_amp.KEEP`, "
     "`eqx_amp.fp8.TENSORWISE`, `eqx_amp.fp8.ROWWISE`, or a callable "
     "`rule(compute_dtype, original_dtypes, *invals, **params) -> (invals, params)`."
 )
@@ -269,6 +287,8 @@ class RuleTable:
             for key, rule in rules.items():
                 if not (isinstance(key, str) or isinstance(key, compat.Primitive)):
                     raise TypeError(_BAD_KEY.format(key, type(key).__name__))
+                if rule is keep:
+                    raise TypeError(_FILTER_SPEC_AS_RULE.format(key))
                 if not callable(rule) or isinstance(rule, type):
                     # A dtype such as `jnp.float32` is callable, but not a rule.
                     raise ValueError(_BAD_VALUE.format(key, rule))
