@@ -247,14 +247,9 @@ def cast_all_but_state(
     )
 
 
-def overflowing_leaves(
-    tree: PyTree, dtype: Any, mask: PyTree[bool] | None = None
-) -> list[str]:
-    """The paths of the concrete floating arrays of `tree` (those `mask` selects)
-    holding a finite value too large for `dtype`: casting them would store inf.
-    Traced arrays cannot be checked and are passed over."""
-    dtype = jnp.dtype(dtype)
-    limit = float(jnp.finfo(dtype).max)
+def _largest_finite(tree: PyTree, mask: PyTree[bool] | None) -> list[tuple[str, float]]:
+    """`(path, largest finite magnitude)` of each concrete floating array of `tree`
+    that `mask` selects. Traced arrays cannot be checked and are passed over."""
     leaves = jtu.tree_leaves_with_path(tree)
     selected = [True] * len(leaves) if mask is None else jtu.tree_leaves(mask)
     candidates = [
@@ -264,16 +259,26 @@ def overflowing_leaves(
         and is_floating_array(leaf)
         and not isinstance(leaf, jax.core.Tracer)
         and leaf.size
-        and float(jnp.finfo(leaf.dtype).max) > limit
     ]
-    # Reduced where the arrays live, and brought to the host in one transfer.
-    too_large = jax.device_get(
-        [
-            jnp.any(jnp.isfinite(leaf) & (jnp.abs(leaf) > limit))
-            for _, leaf in candidates
-        ]
-    )
-    return [jtu.keystr(path) for (path, _), bad in zip(candidates, too_large) if bad]
+    # One reduction per leaf where it lives, brought to the host in one transfer;
+    # computed now even when a caller is being traced (the leaves are concrete).
+    with jax.ensure_compile_time_eval():
+        largest = jax.device_get(
+            [
+                jnp.max(jnp.where(jnp.isfinite(leaf), jnp.abs(leaf), 0))
+                for _, leaf in candidates
+            ]
+        )
+    return [(jtu.keystr(path), float(v)) for (path, _), v in zip(candidates, largest)]
+
+
+def overflowing_leaves(
+    tree: PyTree, dtype: Any, mask: PyTree[bool] | None = None
+) -> list[str]:
+    """The paths of the concrete floating arrays of `tree` (those `mask` selects)
+    holding a finite value too large for `dtype`: casting them would store inf."""
+    limit = float(jnp.finfo(jnp.dtype(dtype)).max)
+    return [path for path, largest in _largest_finite(tree, mask) if largest > limit]
 
 
 # The dtypes a policy set later (`eqx_amp.using_policy`) may compute in. Not every
@@ -293,31 +298,11 @@ def overflows_by_dtype(
     too large for it. Hashable, so that a wrapper built before its policy is known
     (`policy=None`) can carry it as static data and warn where the policy is read,
     even where its weights are traced by then."""
-    leaves = jtu.tree_leaves_with_path(tree)
-    selected = [True] * len(leaves) if mask is None else jtu.tree_leaves(mask)
-    candidates = [
-        (path, leaf)
-        for (path, leaf), keep in zip(leaves, selected)
-        if keep
-        and is_floating_array(leaf)
-        and not isinstance(leaf, jax.core.Tracer)
-        and leaf.size
-    ]
-    # One reduction per leaf where it lives, brought to the host in one transfer.
-    largest = jax.device_get(
-        [
-            jnp.max(jnp.where(jnp.isfinite(leaf), jnp.abs(leaf), 0))
-            for _, leaf in candidates
-        ]
-    )
+    largest = _largest_finite(tree, mask)
     record = []
     for dtype in _NARROW_FLOATS:
         limit = float(jnp.finfo(dtype).max)
-        paths = tuple(
-            jtu.keystr(path)
-            for (path, _), value in zip(candidates, largest)
-            if float(value) > limit
-        )
+        paths = tuple(path for path, value in largest if value > limit)
         if paths:
             record.append((dtype.name, paths))
     return tuple(record)
