@@ -15,7 +15,8 @@ Variants (`--variants`, comma-separated, or `default`, `eqx_amp`, `all`):
   inputs, norm layers in float32 (inputs cast up, outputs cast down), float32 loss.
 - `filter_amp_*`, `autocast_*`, `bimodel_*`: eqx_amp, in bfloat16 (no loss scaling)
   and in float16 (`eqx_amp.filter_value_and_grad` with a `DynamicLossScale`,
-  non-finite steps skipped by `eqx_amp.select_tree`; `BiModel.value_and_grad`).
+  non-finite steps skipped by `eqx_amp.select_tree`; a `BiModel` differentiated
+  by the same `eqx_amp.filter_value_and_grad`).
 - `jmp_bf16`, `mpx_bf16`, `jaxamp_bf16`: the peers, each as its README recommends
   (`pip install -e ".[benchmarks]"`). A peer that is not installed or does not run on
   this JAX is reported with its error, not hidden.

@@ -239,9 +239,9 @@ def build_step(case: Case, static, mesh) -> Callable:
                 bimodel = eqx_amp.BiModel(
                     eqx.combine(params, static), policy=case.policy
                 )
-                (_, grads), *_ = bimodel.value_and_grad(
+                (_, grads), *_ = eqx_amp.filter_value_and_grad(
                     lambda m, t: cross_entropy(jax.vmap(m)(t[:, :-1]), t[:, 1:])
-                )(tokens, loss_scale=loss_scale)
+                )(bimodel, tokens, loss_scale=loss_scale)
                 return eqx.filter(grads, eqx.is_inexact_array)
 
             return step

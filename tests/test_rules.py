@@ -56,9 +56,7 @@ def test_default_rules_table():
         is eqx_amp.DEFAULT_RULES[lax.dynamic_slice_p]
     )
     assert eqx_amp.DEFAULT_RULES["eqx.nn.LayerNorm"] is eqx_amp.FULL
-    assert (
-        eqx_amp.DEFAULT_RULES["eqx_amp.full_precision"] is eqx_amp.KEEP
-    )
+    assert eqx_amp.DEFAULT_RULES["eqx_amp.full_precision"] is eqx_amp.KEEP
     assert repr(eqx_amp.LOW) == "eqx_amp.LOW"
 
 
@@ -75,9 +73,7 @@ def test_primitive_rules_and_builtin_values(getkey):
     assert ops_in(full_matmul, "dot_general") == [[F32, F32]]
     low_exp = traced(eqx_amp.autocast(fn, rules={lax.exp_p: eqx_amp.LOW}), x)
     assert ops_in(low_exp, "exp") == [[BF16]]
-    kept = traced(
-        eqx_amp.autocast(fn, rules={lax.dot_general_p: eqx_amp.KEEP}), x
-    )
+    kept = traced(eqx_amp.autocast(fn, rules={lax.dot_general_p: eqx_amp.KEEP}), x)
     assert ops_in(kept, "dot_general") == [[F32, F32]]
     promoted = traced(eqx_amp.autocast(fn, rules={lax.exp_p: eqx_amp.PROMOTE}), x)
     assert ops_in(promoted, "exp") == [[BF16]]
@@ -109,9 +105,7 @@ def test_scope_rules_innermost_wins_and_reach_sub_jaxprs(getkey):
         return z @ w
 
     x = jr.normal(getkey(), (4,))
-    amp = eqx_amp.autocast(
-        fn, rules={"outer": eqx_amp.FULL, "inner": eqx_amp.LOW}
-    )
+    amp = eqx_amp.autocast(fn, rules={"outer": eqx_amp.FULL, "inner": eqx_amp.LOW})
     dots = [(s, in_dtypes(e)) for e, s in eqns_named(traced(amp, x), "dot_general")]
     assert dots == [
         ("outer", [F32, F32]),
