@@ -39,7 +39,7 @@ from ._core._describe import is_none
 from ._core._filters import FilterSpec, default_filter_spec, selection_mask
 from ._core._policy import Policy, resolve_policy
 from ._core._wrapper import user_stacklevel
-from ._filter_amp._filter_amp import filter_amp, fp8_selection
+from ._filter_amp._filter_amp import check_fp8_options, filter_amp, fp8_selection
 from ._fp8 import Fp8Rule
 from ._loss_scaling._scaled_step import GradThrough
 from ._optim._updates import add_in_float32, paired_leaves
@@ -183,8 +183,7 @@ class BiModel(GradThrough, Generic[_P, _T]):
         self._compute_only = tuple(map(compute_only, selected, jtu.tree_leaves(master)))
         self.policy = policy
         self._selected = tuple(bool(s) for s in selected)
-        # Checked by `filter_amp` here, not at the first call inside a jit.
-        filter_amp(lambda: None, fp8=fp8, fp8_filter=fp8_filter)
+        check_fp8_options(fp8, fp8_filter)  # here, not at the first call in a jit
         self.fp8 = fp8
         self.fp8_filter = fp8_filter
         self._fp8_selected = _fp8_selection(model, fp8_filter)

@@ -205,7 +205,7 @@ def _check_fp8_policy(policy: Policy) -> None:
         )
 
 
-def _check_fp8_options(fp8: Any, fp8_filter: Any) -> None:
+def check_fp8_options(fp8: Any, fp8_filter: Any) -> None:
     if fp8 is not None and not isinstance(fp8, Fp8Pass):
         raise TypeError(
             "`fp8` must be `eqx_amp.fp8.TENSORWISE`, `eqx_amp.fp8.ROWWISE` or None, but got "
@@ -317,7 +317,7 @@ def filter_amp(
             fp8_filter=fp8_filter,
         )
     check_callable(fn, "filter_amp")
-    _check_fp8_options(fp8, fp8_filter)
+    check_fp8_options(fp8, fp8_filter)
     if policy is not None:
         policy = get_policy(policy)
     _check_filter_spec(fn, filter_spec)
