@@ -247,9 +247,13 @@ def cast_all_but_state(
     )
 
 
-def _largest_finite(tree: PyTree, mask: PyTree[bool] | None) -> list[tuple[str, float]]:
+def _largest_finite(
+    tree: PyTree, mask: PyTree[bool] | None, above: float = 0.0
+) -> list[tuple[str, float]]:
     """`(path, largest finite magnitude)` of each concrete floating array of `tree`
-    that `mask` selects. Traced arrays cannot be checked and are passed over."""
+    that `mask` selects and whose dtype can hold a value `above` (so an array that
+    is already in a narrow dtype costs nothing). Traced arrays cannot be checked and
+    are passed over."""
     leaves = jtu.tree_leaves_with_path(tree)
     selected = [True] * len(leaves) if mask is None else jtu.tree_leaves(mask)
     candidates = [
@@ -259,6 +263,7 @@ def _largest_finite(tree: PyTree, mask: PyTree[bool] | None) -> list[tuple[str, 
         and is_floating_array(leaf)
         and not isinstance(leaf, jax.core.Tracer)
         and leaf.size
+        and float(jnp.finfo(leaf.dtype).max) > above
     ]
     # One reduction per leaf where it lives, brought to the host in one transfer;
     # computed now even when a caller is being traced (the leaves are concrete).
@@ -278,7 +283,8 @@ def overflowing_leaves(
     """The paths of the concrete floating arrays of `tree` (those `mask` selects)
     holding a finite value too large for `dtype`: casting them would store inf."""
     limit = float(jnp.finfo(jnp.dtype(dtype)).max)
-    return [path for path, largest in _largest_finite(tree, mask) if largest > limit]
+    largest = _largest_finite(tree, mask, above=limit)
+    return [path for path, value in largest if value > limit]
 
 
 # The dtypes a policy set later (`eqx_amp.using_policy`) may compute in. Not every
@@ -298,7 +304,8 @@ def overflows_by_dtype(
     too large for it. Hashable, so that a wrapper built before its policy is known
     (`policy=None`) can carry it as static data and warn where the policy is read,
     even where its weights are traced by then."""
-    largest = _largest_finite(tree, mask)
+    smallest_limit = min(float(jnp.finfo(dtype).max) for dtype in _NARROW_FLOATS)
+    largest = _largest_finite(tree, mask, above=smallest_limit)
     record = []
     for dtype in _NARROW_FLOATS:
         limit = float(jnp.finfo(dtype).max)
