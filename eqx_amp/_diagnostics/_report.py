@@ -173,7 +173,14 @@ class PrecisionReport:
             f"casts between floating dtypes: {self.casts}",
         ]
         if self.advice:
-            lines += ["", *textwrap.wrap(f"advice: {self.advice}", 88)]
+            # Never inside a word: the advice names files, which a reader copies.
+            advice = textwrap.wrap(
+                f"advice: {self.advice}",
+                88,
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+            lines += ["", *advice]
         lines += ["", f"{'primitive':<24} {'count':>6}  input dtypes"]
         for name in sorted(self.ops, key=lambda n: -sum(self.ops[n].values())):
             for dtypes, count in sorted(self.ops[name].items(), key=lambda kv: -kv[1]):

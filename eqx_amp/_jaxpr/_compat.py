@@ -137,7 +137,8 @@ if source_info_util is not None:
 
 Literal = jex.core.Literal
 Jaxpr = jex.core.Jaxpr
-ClosedJaxpr = jex.core.ClosedJaxpr  # jax >= 0.11: the same class as `Jaxpr`
+# jax >= 0.11: the same class as `Jaxpr`, which jax 0.12's stubs leave unexported.
+ClosedJaxpr = jex.core.ClosedJaxpr  # pyright: ignore[reportPrivateImportUsage]
 Primitive = jex.core.Primitive
 
 #
