@@ -13,7 +13,8 @@ under the same hook:
   manual axes and checks, `scan` its length, direction and unrolling;
 - `custom_jvp` / `custom_vjp` keep their derivative rules, which are themselves
   evaluated under the hook (the forward pass under differentiation follows it too);
-- call primitives (`closed_call`) are inlined.
+- call primitives (`closed_call`) are inlined;
+- loops and branches follow the rules of `_control_flow.py`.
 
 Values flow through a program in whatever dtype their op produced, except at the
 boundaries where JAX checks types, which keep the dtypes of the original program:
@@ -25,6 +26,11 @@ a one-time warning).
 A hook that runs eagerly (`Hook.eager`) gets control flow run in Python on concrete
 values instead: each `scan` and `while` iteration and the `cond` branch taken, with
 calls inlined, so that it sees every value the program computes.
+
+A hook that makes values of its own (`Hook.makes_values`, telemetry) gets calls and
+custom derivative rules inlined, and what it made in a `checkpoint`, `scan` or
+`shard_map` body carried out as extra outputs (per iteration for `scan`, agreed
+across devices for `shard_map`); what it made inside `while` and `cond` stays there.
 
 Alongside each value the evaluator tracks its `Origin`: computed from constants
 alone (literals, the jaxpr's constants, and what is computed from them only), from
@@ -41,11 +47,11 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax import lax
 from jax.custom_batching import custom_vmap
 
 from .._core._cast import is_floating_array
 from . import _compat as compat
+from . import _control_flow as control_flow
 from ._hook import (
     TRACED_DTYPE_PRIMITIVES,
     Frame,
@@ -70,6 +76,21 @@ def evaluate(
     """Evaluates a (closed or open) jaxpr under `hook`. `origins` says what each
     argument is (data by default), `const_origins` what each of its constants is
     (constant by default). Returns the outputs and their origins."""
+    outs, out_origins, _ = evaluate_making(
+        closed, args, hook, frame, origins, const_origins
+    )
+    return outs, out_origins
+
+
+def evaluate_making(
+    closed: Any,
+    args: Sequence[Any],
+    hook: Hook,
+    frame: Frame = Frame(),
+    origins: Sequence[Origin] | None = None,
+    const_origins: Sequence[Origin] | None = None,
+) -> tuple[list, list[Origin], list]:
+    """`evaluate`, also returning what the hook made in the jaxpr (`Hook.made`)."""
     compat.require_known_internals()
     jaxpr, consts = compat.open_jaxpr(closed)
     env: dict[Any, Any] = {}
@@ -104,10 +125,12 @@ def evaluate(
             in_origins=in_origins,
             out_origins=out_origins,
         ):
-            outs, origins_made = _evaluate_equation(
+            outs, origins_made, made = _evaluate_equation(
                 eqn, vals, in_origins, eqn_frame, hook, params
             )
             out_origins[:] = origins_made
+            if made:
+                jaxpr_hook.adopt(made, eqn)
             return outs
 
         with compat.equation_context(eqn), compat.unknown_internals(eqn):
@@ -117,7 +140,7 @@ def evaluate(
         env.update(zip(eqn.outvars, outvals))
         origin_env.update(zip(eqn.outvars, out_origins))
     outs, out_origins = zip(*map(read, jaxpr.outvars)) if jaxpr.outvars else ((), ())
-    return list(outs), list(out_origins)
+    return list(outs), list(out_origins), jaxpr_hook.made()
 
 
 def evaluate_function(
@@ -202,19 +225,20 @@ def _evaluate_equation(eqn, invals, in_origins, frame, hook, params):
                 f"The params of the higher-order primitive `{eqn.primitive}` cannot "
                 "be replaced; its body is evaluated under the hook instead."
             )
-        outs, out_origins = rule(eqn, invals, in_origins, frame, hook)
-        return list(outs), list(out_origins)
+        # A rule returns what the hook made in the bodies as a third element.
+        outs, out_origins, *made = rule(eqn, invals, in_origins, frame, hook)
+        return list(outs), list(out_origins), made[0] if made else []
     if is_higher_order(eqn):
         _warn_unknown_higher_order(str(eqn.primitive))
-        return _opaque(eqn, invals, in_origins)
+        return *_opaque(eqn, invals, in_origins), []
     if eqn.primitive in TRACED_DTYPE_PRIMITIVES:
-        return _opaque(eqn, invals, in_origins)
+        return *_opaque(eqn, invals, in_origins), []
     if params is not None and "update_jaxpr" in params:
         floating = [v for v in invals if is_floating_array(v)]
         if floating:
             params = compat.retype_update_jaxpr(params, floating[0].dtype)
     outs = compat.bind(eqn, invals, params)
-    return outs, [combined(in_origins)] * len(outs)
+    return outs, [combined(in_origins)] * len(outs), []
 
 
 def _opaque(eqn, invals, in_origins):
@@ -235,31 +259,38 @@ def _warn_unknown_higher_order(name: str) -> None:
 
 def _body(closed, hook, frame, in_origins):
     """A function evaluating `closed` under `hook`, for a public transformation or a
-    re-bound primitive to trace; it records the origins of the outputs."""
+    re-bound primitive to trace; it records the origins of the outputs, and returns
+    them with what the hook made."""
     out_origins: list[Origin] = []
 
     def body(*args):
-        outs, origins = evaluate(closed, args, hook, frame, in_origins)
+        outs, origins, made = evaluate_making(closed, args, hook, frame, in_origins)
         out_origins[:] = origins
-        return outs
+        return outs, made
 
     return body, out_origins
 
 
 def _inline(param: str) -> Callable:
     def rule(eqn, invals, in_origins, frame, hook):
-        return evaluate(eqn.params[param], invals, hook, frame.call(eqn), in_origins)
+        return evaluate_making(
+            eqn.params[param], invals, hook, frame.call(eqn), in_origins
+        )
 
     return rule
 
 
 def _jit(eqn, invals, in_origins, frame, hook):
-    if hook.eager:
+    if hook.eager or hook.makes_values:
         return _inline("jaxpr")(eqn, invals, in_origins, frame, hook)
     body, out_origins = _body(eqn.params["jaxpr"], hook, frame.call(eqn), in_origins)
-    body.__name__ = eqn.params.get("name", "jit")
+
+    def outputs(*args):  # A hook that makes values has this call inlined.
+        return body(*args)[0]
+
+    outputs.__name__ = eqn.params.get("name", "jit")
     # Traced at the types the inputs have now (dtype, sharding, varying axes).
-    jaxpr = jax.make_jaxpr(body)(*invals)
+    jaxpr = jax.make_jaxpr(outputs)(*invals)
     return compat.bind_jit(eqn.params, jaxpr, invals), out_origins
 
 
@@ -267,132 +298,40 @@ def _checkpoint(eqn, invals, in_origins, frame, hook):
     if hook.eager:
         return _inline("jaxpr")(eqn, invals, in_origins, frame, hook)
     body, out_origins = _body(eqn.params["jaxpr"], hook, frame.call(eqn), in_origins)
-    outs = jax.checkpoint(
+    outs, made = jax.checkpoint(
         body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
     )(*invals)
-    return outs, out_origins
+    return outs, out_origins, made
 
 
 def _shard_map(eqn, invals, in_origins, frame, hook):
     if hook.eager:
         # Per-device programs need their mesh: run it as it was traced.
         return _opaque(eqn, invals, in_origins)
-    body, out_origins = _body(eqn.params["jaxpr"], hook, frame.call(eqn), in_origins)
-    outs = jax.shard_map(
-        lambda *args: tuple(body(*args)), **compat.shard_map_params(eqn.params)
-    )(*invals)
-    return list(outs), out_origins
-
-
-def _scan(eqn, invals, in_origins, frame, hook):
-    num_consts, num_carry = compat.scan_counts(eqn.params)
-    length, reverse = eqn.params["length"], eqn.params["reverse"]
-    consts = invals[:num_consts]
-    carry_dtypes = traced_dtypes(eqn.invars[num_consts : num_consts + num_carry])
-    init = cast_to(invals[num_consts : num_consts + num_carry], carry_dtypes)
-    xs = invals[num_consts + num_carry :]
-    # Carries are data: whether they come from parameters could change per iteration.
-    body_origins = [
-        *in_origins[:num_consts],
-        *[Origin.DATA] * num_carry,
-        *in_origins[num_consts + num_carry :],
-    ]
-    body_frame = frame.call(eqn, length)
-    ys_origins: list[Origin] = []
-
-    def step(carry, x):
-        outs, origins = evaluate(
-            eqn.params["jaxpr"], [*consts, *carry, *x], hook, body_frame, body_origins
-        )
-        ys_origins[:] = origins[num_carry:]
-        return cast_to(outs[:num_carry], carry_dtypes), outs[num_carry:]
-
-    if hook.eager:
-        carry, ys = init, []
-        for i in reversed(range(length)) if reverse else range(length):
-            carry, y = step(carry, [x[i] for x in xs])
-            ys.append(y)
-        if reverse:
-            ys.reverse()
-        ys_avals = [v.aval for v in eqn.outvars[num_carry:]]
-        ys = [
-            jnp.stack([y[k] for y in ys]) if ys else jnp.zeros(a.shape, a.dtype)
-            for k, a in enumerate(ys_avals)
-        ]
-        return [*carry, *ys], [Origin.DATA] * num_carry + (
-            ys_origins or [Origin.DATA] * len(ys)
-        )
-    kwargs = {"_split_transpose": True} if eqn.params.get("_split_transpose") else {}
-    carry, ys = lax.scan(
-        step,
-        init,
-        xs,
-        length=length,
-        reverse=reverse,
-        unroll=eqn.params["unroll"],
-        **kwargs,
-    )
-    return [*carry, *ys], [Origin.DATA] * num_carry + ys_origins
-
-
-def _while(eqn, invals, in_origins, frame, hook):
-    cond_nconsts = eqn.params["cond_nconsts"]
-    body_nconsts = eqn.params["body_nconsts"]
-    cond_consts = invals[:cond_nconsts]
-    body_consts = invals[cond_nconsts : cond_nconsts + body_nconsts]
-    carry_vars = eqn.invars[cond_nconsts + body_nconsts :]
-    carry_dtypes = traced_dtypes(carry_vars)
-    init = cast_to(invals[cond_nconsts + body_nconsts :], carry_dtypes)
-    carry_origins = [Origin.DATA] * len(carry_vars)
     body_frame = frame.call(eqn)
+    params = compat.shard_map_params(eqn.params)
+    axis_names = params["axis_names"]
+    out_origins: list[Origin] = []
 
-    def cond_fun(carry):
-        origins = [*in_origins[:cond_nconsts], *carry_origins]
-        return evaluate(
-            eqn.params["cond_jaxpr"], [*cond_consts, *carry], hook, body_frame, origins
-        )[0][0]
-
-    def body_fun(carry):
-        origins = [
-            *in_origins[cond_nconsts : cond_nconsts + body_nconsts],
-            *carry_origins,
-        ]
-        outs, _ = evaluate(
-            eqn.params["body_jaxpr"], [*body_consts, *carry], hook, body_frame, origins
+    def body(*args):
+        outs, origins, made = evaluate_making(
+            eqn.params["jaxpr"], args, hook, body_frame, in_origins
         )
-        return cast_to(outs, carry_dtypes)
+        out_origins[:] = origins
+        return tuple(outs), hook.across(made, axis_names)
 
-    if hook.eager:
-        carry = init
-        while bool(cond_fun(carry)):
-            carry = body_fun(carry)
-        return carry, carry_origins
-    return lax.while_loop(cond_fun, body_fun, init), carry_origins
-
-
-def _cond(eqn, invals, in_origins, frame, hook):
-    index, *operands = invals
-    out_dtypes = traced_dtypes(eqn.outvars)
-    body_frame = frame.call(eqn)
-    out_origins = [Origin.DATA] * len(eqn.outvars)
-
-    def branch(closed, *ops):
-        outs, _ = evaluate(closed, ops, hook, body_frame, in_origins[1:])
-        return cast_to(outs, out_dtypes)
-
-    branches = eqn.params["branches"]
-    if hook.eager:
-        chosen = branches[int(np.clip(int(index), 0, len(branches) - 1))]
-        return branch(chosen, *operands), out_origins
-    return lax.switch(
-        index, [ft.partial(branch, b) for b in branches], *operands
-    ), out_origins
+    # What the hook made leaves the body replicated (`P()` covers all of it).
+    params["out_specs"] = (tuple(params["out_specs"]), jax.P())
+    outs, made = jax.shard_map(body, **params)(*invals)
+    return list(outs), out_origins, made
 
 
 def _custom_jvp(eqn, invals, in_origins, frame, hook):
     body_frame = frame.call(eqn)
-    if hook.eager:
-        return evaluate(eqn.params["call_jaxpr"], invals, hook, body_frame, in_origins)
+    if hook.eager or hook.makes_values:
+        return evaluate_making(
+            eqn.params["call_jaxpr"], invals, hook, body_frame, in_origins
+        )
     params = compat.bind_params(eqn)
     fun, jvp = params.pop("subfuns")
     call_jaxpr = eqn.params["call_jaxpr"]
@@ -464,8 +403,10 @@ def _jvp_rule(eqn, jvp, new_fun, primals) -> tuple[Any, list[np.dtype]]:
 
 def _custom_vjp(eqn, invals, in_origins, frame, hook):
     body_frame = frame.call(eqn)
-    if hook.eager:
-        return evaluate(eqn.params["call_jaxpr"], invals, hook, body_frame, in_origins)
+    if hook.eager or hook.makes_values:
+        return evaluate_making(
+            eqn.params["call_jaxpr"], invals, hook, body_frame, in_origins
+        )
     params = compat.bind_params(eqn)
     fun, fwd, bwd = params.pop("subfuns")
     call_jaxpr = eqn.params["call_jaxpr"]
@@ -519,9 +460,9 @@ _HIGHER_ORDER: dict[Any, Callable] = {
     compat.jit_p: _jit,
     compat.closed_call_p: _inline("call_jaxpr"),
     compat.remat_p: _checkpoint,
-    compat.scan_p: _scan,
-    compat.while_p: _while,
-    compat.cond_p: _cond,
+    compat.scan_p: ft.partial(control_flow.scan, evaluate_making),
+    compat.while_p: ft.partial(control_flow.while_loop, evaluate_making),
+    compat.cond_p: ft.partial(control_flow.cond, evaluate_making),
     compat.shard_map_p: _shard_map,
     compat.custom_jvp_call_p: _custom_jvp,
     compat.custom_vjp_call_p: _custom_vjp,

@@ -90,6 +90,27 @@ class Hook:
         del frame
         return self
 
+    # Whether the hook makes values of its own that leave the program (see `made`).
+    # Such a pass inlines calls and custom derivative rules (its program is not
+    # differentiated again) and threads what it made out of every other body.
+    makes_values: ClassVar[bool] = False
+
+    def made(self) -> list:
+        """What this jaxpr's hook made, to leave the jaxpr as extra outputs: a list
+        of pytrees of arrays (each returned in order, none by default)."""
+        return []
+
+    def adopt(self, made: list, eqn: Any) -> None:
+        """Takes what a sub-jaxpr of `eqn` made, as values of this jaxpr: a `scan`
+        body's with a leading axis, one entry per iteration."""
+        del made, eqn
+
+    def across(self, made: list, axis_names: frozenset) -> list:
+        """What a `shard_map` body made, made the same on every device of the mapped
+        `axis_names` (it leaves the body replicated)."""
+        del axis_names
+        return made
+
     def equation(
         self,
         eqn: Any,

@@ -1,0 +1,376 @@
+"""The pass behind `telemetry`: a hook that measures, as extra traced values of the
+step, each tensor that mixed precision narrows (at its cast) or that a product reads
+or writes in half precision or fp8 (as it arrives), and names it by the layer whose
+product it belongs to.
+
+Names and roles are found at trace time from the program's variables: a parameter
+leaf's path flows along whatever is computed from it alone; a product is named by
+its parameter operand; a cast's output waits ("pending") for the product that reads
+it; a product's data operand is marked as the layer's activation, so that the
+backward product reading it is that layer's parameter gradient. Tensors left
+unnamed at the end (the cast of the updated master weights, ...) are not reported.
+"""
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Float
+
+from .._core._cast import is_floating_dtype
+from .._fp8 import FP8_SCOPE
+from .._jaxpr import _compat as compat
+from .._jaxpr._hook import MATMUL_PRIMITIVES, Frame, Hook, Origin, is_higher_order
+
+
+WEIGHT = "weight"
+ACTIVATION = "activation"
+OUTPUT_GRADIENT = "output gradient"
+PARAMETER_GRADIENT = "parameter gradient"
+
+Path = tuple[str, ...]  # rendered key entries: ("model", ".blocks", "[3]", ".weight")
+Scalar = Float[Array, "*iterations"]
+
+
+@dataclasses.dataclass(eq=False)
+class Site:
+    """One measured tensor of the program. Its layer may be known only when a later
+    product reads it, so it is filled in then (sites hash by identity)."""
+
+    role: str
+    dtype: str
+    at_cast: bool
+    layer: Path | None = None
+
+
+class Measured(eqx.Module):
+    """The statistics of one site, as traced values: counts of values (float32, so
+    that they sum across devices and scan iterations without overflowing), the
+    largest magnitude, and the fp8 scale. Each `stack` entry is a leading axis (one
+    entry per scan iteration) and the place in the layer's path its index goes."""
+
+    site: Site = eqx.field(static=True)
+    stack: tuple[int, ...] = eqx.field(static=True)
+    size: Scalar
+    amax: Scalar
+    flushed: Scalar
+    subnormal: Scalar
+    saturated: Scalar
+    nonfinite: Scalar
+    scale: Scalar | None
+
+    COUNTS = ("size", "flushed", "subnormal", "saturated", "nonfinite")
+
+
+def _count(mask: Array) -> Array:
+    return jnp.sum(mask, dtype=jnp.float32)
+
+
+def _statistics(
+    site: Site, value: Array, source: Array | None, scale: Array | None
+) -> Measured:
+    """`value` as the program holds it (in its half or fp8 dtype); `source`, when
+    `value` was cast from it, the wider value before the cast."""
+    finfo = jnp.finfo(value.dtype)
+    magnitude = jnp.abs(value.astype(jnp.float32))
+    nonfinite = _count(~jnp.isfinite(magnitude))
+    subnormal = _count((magnitude > 0) & (magnitude < float(finfo.smallest_normal)))
+    if source is None:
+        wide, flushed, saturated = magnitude, jnp.zeros(()), jnp.zeros(())
+    else:
+        wide = jnp.abs(source.astype(jnp.float32))
+        finite = jnp.isfinite(wide)
+        flushed = _count(finite & (wide > 0) & (magnitude == 0))
+        # Past the largest finite value: overflowed to inf (NaN in e4m3fn) or
+        # clipped to it.
+        saturated = _count(finite & (wide > float(finfo.max)))
+        if scale is not None:  # fp8 casts the scaled tensor: amax is before scaling
+            wide = wide / scale
+    amax = jnp.max(jnp.where(jnp.isnan(wide), 0.0, wide), initial=0.0)
+    return Measured(
+        site,
+        (),
+        jnp.asarray(value.size, jnp.float32),
+        amax,
+        flushed,
+        subnormal,
+        saturated,
+        nonfinite,
+        None if scale is None else jnp.min(scale).astype(jnp.float32),
+    )
+
+
+def combine(group: list[Measured]) -> Measured:
+    """One site's statistics from several measurements of it (summed counts,
+    largest amax, smallest scale)."""
+    first = group[0]
+    fields = {k: sum(getattr(m, k) for m in group) for k in Measured.COUNTS}
+    amax = jnp.max(jnp.stack([m.amax for m in group]), axis=0)
+    scales = [m.scale for m in group if m.scale is not None]
+    scale = jnp.min(jnp.stack(scales), axis=0) if scales else None
+    return dataclasses.replace(first, amax=amax, scale=scale, **fields)
+
+
+def across(made: list, axis_names: frozenset) -> list:
+    """Measurements made per device, made global: counts summed, amax maxed."""
+    axes = tuple(axis_names)
+
+    def reduce(m: Measured) -> Measured:
+        fields = {k: lax.psum(getattr(m, k), axes) for k in Measured.COUNTS}
+        scale = None if m.scale is None else lax.pmin(m.scale, axes)
+        return dataclasses.replace(
+            m, amax=lax.pmax(m.amax, axes), scale=scale, **fields
+        )
+
+    return [reduce(m) for m in made]
+
+
+def _is_narrow(dtype: Any) -> bool:
+    return is_floating_dtype(dtype) and jnp.finfo(dtype).bits < 32
+
+
+def _vars(atoms: Iterable[Any]) -> list:
+    return [a for a in atoms if not isinstance(a, compat.Literal)]
+
+
+def _unique(values: Iterable[Any]) -> Any:
+    distinct = set(values) - {None}
+    return distinct.pop() if len(distinct) == 1 else None
+
+
+@dataclasses.dataclass
+class Naming:
+    """What the pass knows about the program's variables, across all its jaxprs."""
+
+    paths: dict = dataclasses.field(default_factory=dict)  # parameter leaf's path
+    feeds: dict = dataclasses.field(default_factory=dict)  # layer it is an input of
+    grads: dict = dataclasses.field(default_factory=dict)  # layer it is the grad of
+    pending: dict = dataclasses.field(default_factory=dict)  # sites awaiting a layer
+    source: dict = dataclasses.field(default_factory=dict)  # its one-input producer
+    measured: set = dataclasses.field(default_factory=set)
+
+    def flow(self, eqn: Any, origins: list[Origin]) -> None:
+        """A first-order equation's outputs inherit from its inputs: a parameter's
+        path (if computed from it alone), the layer a tensor is an input or the
+        gradient of, and the sites waiting for a product; a view of one tensor
+        (reshaped, converted) also whether it was measured. A product makes a new
+        tensor, named by the pass itself."""
+        if eqn.primitive in MATMUL_PRIMITIVES:
+            return
+        ins = [
+            v for v, o in zip(eqn.invars, origins) if not isinstance(v, compat.Literal)
+        ]
+        param_ins = [
+            v
+            for v, o in zip(eqn.invars, origins)
+            if o == Origin.PARAMS and not isinstance(v, compat.Literal)
+        ]
+        inherited = {
+            "paths": _unique(self.paths.get(v) for v in param_ins)
+            if len(param_ins) == len(ins)
+            else None,
+            "feeds": _unique(self.feeds.get(v) for v in ins),
+            "grads": _unique(self.grads.get(v) for v in ins),
+        }
+        pending = frozenset().union(*(self.pending.get(v, ()) for v in ins))
+        for out in eqn.outvars:
+            for table, value in inherited.items():
+                if value is not None:
+                    getattr(self, table)[out] = value
+            if pending:
+                self.pending[out] = pending
+            if len(ins) == 1:
+                self.source[out] = ins[0]
+                if ins[0] in self.measured:
+                    self.measured.add(out)
+
+    def into_bodies(self, eqn: Any) -> None:
+        """A higher-order equation's operands, as its bodies' inputs (which are the
+        last of its operands: `cond` and `while` put others first)."""
+        for body in compat.sub_jaxprs(eqn.params):
+            invars = compat.open_jaxpr(body)[0].invars
+            self._copy(eqn.invars[len(eqn.invars) - len(invars) :], invars)
+
+    def out_of_bodies(self, eqn: Any) -> None:
+        for body in compat.sub_jaxprs(eqn.params):
+            outvars = compat.open_jaxpr(body)[0].outvars
+            self._copy(outvars, eqn.outvars)
+
+    def _copy(self, sources: list, targets: list) -> None:
+        for src, dst in zip(sources, targets):
+            if isinstance(src, compat.Literal):
+                continue
+            for table in (self.paths, self.feeds, self.grads, self.pending):
+                if src in table:
+                    table[dst] = table[src]
+            if src in self.measured:
+                self.measured.add(dst)
+
+    def mark_input(self, var: Any, layer: Path) -> None:
+        """`var` and what it was computed from one-to-one are `layer`'s input."""
+        while var is not None and var not in self.paths:
+            self.feeds[var] = layer
+            var = self.source.get(var)
+
+    def layer_of(self, var: Any) -> Path | None:
+        path = self.paths.get(var)
+        return None if path is None else path[:-1]  # the leaf's module
+
+
+class Measure(Hook):
+    """The telemetry hook: one per jaxpr, sharing the `Naming` of the program."""
+
+    makes_values = True
+
+    def __init__(self, naming: Naming):
+        self.naming = naming
+        self.records: list[Measured] = []
+        self.scale: Array | None = None  # the last fp8 scale multiplied in
+
+    def enter_jaxpr(self, frame: Frame) -> "Measure":
+        return Measure(self.naming)
+
+    def made(self) -> list:
+        return self.records
+
+    def adopt(self, made: list, eqn: Any) -> None:
+        if eqn.primitive is compat.scan_p:
+            num_consts, num_carry = compat.scan_counts(eqn.params)
+            paths = [
+                self.naming.paths.get(v) for v in eqn.invars[num_consts + num_carry :]
+            ]
+            at = _common_prefix([p for p in paths if p is not None])
+            made = [dataclasses.replace(m, stack=(at, *m.stack)) for m in made]
+        self.records += made
+
+    def across(self, made: list, axis_names: frozenset) -> list:
+        return across(made, axis_names)
+
+    def equation(self, eqn, invals, origins, frame, evaluate):
+        naming = self.naming
+        naming.into_bodies(eqn)
+        outs = evaluate(invals)
+        if is_higher_order(eqn):
+            naming.out_of_bodies(eqn)
+            return outs
+        naming.flow(eqn, origins)
+        in_fp8 = FP8_SCOPE in frame.scopes
+        if eqn.primitive in MATMUL_PRIMITIVES:
+            self._product(eqn, invals, origins, outs, frame)
+        elif eqn.primitive is lax.convert_element_type_p and _narrows(eqn):
+            self._cast(eqn, invals[0], outs[0], origins[0], frame, in_fp8)
+        elif in_fp8 and eqn.primitive is lax.mul_p:
+            self._maybe_scale(invals)
+        return outs
+
+    def _record(self, site, value, source=None, scale=None) -> None:
+        self.records.append(_statistics(site, value, source, scale))
+
+    def _cast(self, eqn, source, value, origin, frame, in_fp8) -> None:
+        naming, invar, outvar = self.naming, eqn.invars[0], eqn.outvars[0]
+        dtype = str(value.dtype)
+        if frame.transposed:
+            layer = naming.grads.get(invar)
+            role = OUTPUT_GRADIENT if layer is None else PARAMETER_GRADIENT
+        elif origin == Origin.PARAMS:
+            layer, role = naming.layer_of(invar), WEIGHT
+        else:
+            layer, role = None, ACTIVATION
+        site = Site(role, dtype, True, layer)
+        scale = self.scale if in_fp8 and jnp.finfo(value.dtype).bits == 8 else None
+        self._record(site, value, source, scale)
+        self.scale = None
+        naming.measured.add(outvar)
+        if layer is None:
+            naming.pending[outvar] = frozenset({site})
+
+    def _product(self, eqn, invals, origins, outs, frame) -> None:
+        naming = self.naming
+        weights = [v for v, o in zip(eqn.invars, origins) if o == Origin.PARAMS]
+        layer = _unique(naming.layer_of(v) for v in _vars(weights))
+        if layer is None and frame.transposed:
+            layer = _unique(naming.feeds.get(v) for v in _vars(eqn.invars))
+        for var, value, origin in zip(eqn.invars, invals, origins):
+            if isinstance(var, compat.Literal):
+                continue
+            for site in naming.pending.get(var, ()):
+                if site.layer is None:
+                    site.layer = layer
+            if var in naming.measured or layer is None:
+                continue
+            if origin == Origin.PARAMS:
+                role = WEIGHT
+            elif not frame.transposed:
+                role = ACTIVATION
+            elif var in naming.feeds:
+                continue  # the forward activation, measured in the forward pass
+            else:
+                role = OUTPUT_GRADIENT
+            naming.measured.add(var)
+            if _is_narrow(value.dtype):
+                self._record(Site(role, str(value.dtype), False, layer), value)
+        if layer is None:
+            return
+        if not frame.transposed:
+            for var, origin in zip(eqn.invars, origins):
+                if origin != Origin.PARAMS and not isinstance(var, compat.Literal):
+                    naming.mark_input(var, layer)
+        elif not _vars(weights):
+            (out,) = eqn.outvars
+            naming.grads[out] = layer
+            if _is_narrow(outs[0].dtype):
+                site = Site(PARAMETER_GRADIENT, str(outs[0].dtype), False, layer)
+                self._record(site, outs[0])
+                naming.measured.add(out)
+
+    def _maybe_scale(self, invals) -> None:
+        """fp8 quantisation multiplies a tensor by its float32 scale (smaller,
+        broadcast) right before the cast (`eqx_amp._fp8._quantize`)."""
+        a, b = invals
+        if (
+            getattr(a, "dtype", None) != jnp.float32
+            or getattr(b, "dtype", None) != jnp.float32
+        ):
+            return
+        if np.size(a) != np.size(b):
+            self.scale = a if np.size(a) < np.size(b) else b
+
+
+def _narrows(eqn: Any) -> bool:
+    """A cast from a floating dtype to a narrower one (half precision or fp8)."""
+    before, after = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+    return (
+        is_floating_dtype(before)
+        and _is_narrow(after)
+        and jnp.finfo(after).bits < jnp.finfo(before).bits
+    )
+
+
+def _common_prefix(paths: list[Path]) -> int:
+    """How many leading entries the stacked parameters' paths share: where a scan
+    iteration's index goes (`model.blocks` + `[3]` + `.attn.qkv`)."""
+    if len(paths) < 2:
+        return len(paths[0]) - 1 if paths else -1
+    n = 0
+    while all(len(p) > n and p[n] == paths[0][n] for p in paths):
+        n += 1
+    return n
+
+
+def keyed_paths(tree: Any, name: str, views: Iterable[Any] = ()) -> list[Path]:
+    """The path of each leaf of `tree`, under the argument `name`; a leaf that is
+    also a leaf of one of `views` (the model a wrapper holds) by its path there."""
+    by_id = {
+        id(leaf): path
+        for view in views
+        for path, leaf in jtu.tree_leaves_with_path(view)
+    }
+    return [
+        (name, *(jtu.keystr((k,)) for k in by_id.get(id(leaf), path)))
+        for path, leaf in jtu.tree_leaves_with_path(tree)
+    ]

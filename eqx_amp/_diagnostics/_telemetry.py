@@ -1,0 +1,326 @@
+"""Per-layer precision telemetry, collected inside the training step: `telemetry`
+wraps a step so that it also returns, as traced values, what mixed precision did
+to each layer's weights, activations, output gradients and parameter gradients."""
+
+import collections
+import inspect
+from collections.abc import Callable
+from typing import Any, Generic, NamedTuple, ParamSpec, TypeVar, cast
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, Float
+
+from .._bimodel import BiModel
+from .._core._wrapper import FunctionWrapper, check_callable
+from .._jaxpr._evaluate import evaluate_making
+from .._jaxpr._hook import Origin, cast_to
+from ._measure import Measure, Measured, Naming, Path, combine, keyed_paths
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+Fraction = Float[Array, "*iterations"]
+
+
+class TensorStats(eqx.Module):
+    """What mixed precision did to one tensor role of one layer in one step.
+
+    `layer` is the layer's path in the step's arguments (`model.blocks[3].attn.qkv`);
+    a layer inside `lax.scan`-stacked blocks has one entry per iteration along
+    each array's leading axes, and `{0}` (`{1}`, ...) in `layer` where that
+    iteration's index goes. `role` is `"weight"`, `"activation"` (into a product),
+    `"output gradient"` (the gradient arriving at a product in the backward pass) or
+    `"parameter gradient"`; `dtype` the half or fp8 dtype the tensor was cast to or
+    is held in. `at_cast` says whether it was measured at a cast into that dtype
+    (so that `underflow` and `overflow` are known) or only as it arrived.
+
+    The fractions are of the tensor's `size` values: `underflow` flushed to zero
+    by the cast, `subnormal` held as subnormals (with less precision), `overflow`
+    saturated or overflowed by the cast (beyond the dtype's largest finite value),
+    `nonfinite` inf or NaN after it. `amax` is the largest magnitude before the cast
+    (NaN ignored); `scale` the fp8 scale used (the smallest, for rowwise scales), or
+    None outside fp8.
+    """
+
+    layer: str = eqx.field(static=True)
+    role: str = eqx.field(static=True)
+    dtype: str = eqx.field(static=True)
+    at_cast: bool = eqx.field(static=True)
+    size: Fraction
+    amax: Fraction
+    underflow: Fraction
+    subnormal: Fraction
+    overflow: Fraction
+    nonfinite: Fraction
+    scale: Fraction | None
+
+
+class TensorRow(NamedTuple):
+    """One layer, role and scan iteration of a `Telemetry`, as Python numbers."""
+
+    layer: str
+    role: str
+    dtype: str
+    amax: float
+    underflow: float | None  # None: not measured at a cast
+    subnormal: float
+    overflow: float | None
+    nonfinite: float
+    scale: float | None
+
+    def severity(self) -> tuple[float, ...]:
+        """Worst first: non-finite values, then overflow, then underflow."""
+        return (
+            self.nonfinite,
+            self.overflow or 0.0,
+            self.underflow or 0.0,
+            self.subnormal,
+        )
+
+
+_HEADER = (
+    "layer", "role", "dtype", "amax", "underflow", "subnormal", "overflow",
+    "nonfinite", "scale",
+)  # fmt: skip
+_TOP_IS_POSITIVE = "`top` must be a positive int, the number of rows to print"
+_NEEDS_CONCRETE = (
+    "`Telemetry.rows()` and `summary()` read concrete values: call them on the "
+    "`Telemetry` the jitted step returned, outside `jax.jit`."
+)
+
+
+class Telemetry(eqx.Module):
+    """What `eqx_amp.diagnostics.telemetry(step)` returns next to the step's outputs:
+    a pytree of `TensorStats` (log it, or `print(telemetry.summary())`)."""
+
+    tensors: tuple[TensorStats, ...]
+
+    def rows(self) -> list[TensorRow]:
+        """One row per layer, role, dtype and scan iteration, worst first."""
+        rows = [row for stats in self.tensors for row in _rows(stats)]
+        return sorted(rows, key=TensorRow.severity, reverse=True)
+
+    def summary(self, top: int = 10) -> str:
+        """A table of the `top` worst rows (non-finite values, overflow, underflow,
+        subnormals, in that order)."""
+        if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+            raise ValueError(f"{_TOP_IS_POSITIVE}, not {top!r}.")
+        rows = self.rows()
+        table: list[tuple[str, ...]] = [_HEADER]
+        for r in rows[:top]:
+            table.append(
+                (
+                    r.layer,
+                    r.role,
+                    r.dtype,
+                    f"{r.amax:.3g}",
+                    _percent(r.underflow),
+                    _percent(r.subnormal),
+                    _percent(r.overflow),
+                    _percent(r.nonfinite),
+                    "-" if r.scale is None else f"{r.scale:.3g}",
+                )
+            )
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table]
+        more = len(rows) - top
+        if more > 0:
+            lines.append(f"... and {more} more rows (`Telemetry.rows()` has them all)")
+        return "\n".join(line.rstrip() for line in lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.3g}%"
+
+
+def _rows(stats: TensorStats) -> list[TensorRow]:
+    try:
+        values = {
+            k: np.asarray(getattr(stats, k))
+            for k in ("amax", "underflow", "subnormal", "overflow", "nonfinite")
+        }
+        scale = None if stats.scale is None else np.asarray(stats.scale)
+    except jax.errors.TracerArrayConversionError:
+        raise TypeError(_NEEDS_CONCRETE) from None
+    rows = []
+    for index in np.ndindex(values["amax"].shape):
+        at = {k: float(v[index]) for k, v in values.items()}
+        rows.append(
+            TensorRow(
+                stats.layer.format(*index),
+                stats.role,
+                stats.dtype,
+                at["amax"],
+                at["underflow"] if stats.at_cast else None,
+                at["subnormal"],
+                at["overflow"] if stats.at_cast else None,
+                at["nonfinite"],
+                None if scale is None else float(scale[index]),
+            )
+        )
+    return rows
+
+
+def _layer_name(path: Path, stack: tuple[int, ...]) -> str:
+    """The path as a format string, with a `[{k}]` where the index of the k-th scan
+    around the layer goes."""
+    parts = [p.replace("{", "{{").replace("}", "}}") for p in path]
+    # Innermost first, so that each position still refers to the original path.
+    for axis, at in reversed(list(enumerate(stack))):
+        parts.insert(len(path) if not 0 <= at <= len(path) else at, f"[{{{axis}}}]")
+    return "".join(parts)
+
+
+def _finish(made: list[Measured]) -> Telemetry:
+    """The named measurements, one `TensorStats` per layer, role and dtype."""
+    groups: dict[tuple, list[Measured]] = collections.defaultdict(list)
+    for m in made:
+        site = m.site
+        if site.layer is None:
+            continue  # never read by a product: not a layer's tensor
+        name = _layer_name(site.layer, m.stack)
+        groups[(name, site.role, site.dtype, site.at_cast, m.amax.shape)].append(m)
+    tensors = []
+    for (name, role, dtype, at_cast, _), group in groups.items():
+        m = combine(group)
+        size = jnp.maximum(m.size, 1.0)
+        tensors.append(
+            TensorStats(
+                name,
+                role,
+                dtype,
+                at_cast,
+                m.size,
+                m.amax,
+                m.flushed / size,
+                m.subnormal / size,
+                m.saturated / size,
+                m.nonfinite / size,
+                m.scale,
+            )
+        )
+    return Telemetry(tuple(tensors))
+
+
+class _MeasuredStep(eqx.Module, Generic[_P, _T]):
+    fn: Callable[_P, _T]
+
+    @property
+    def __wrapped__(self) -> Callable[_P, _T]:
+        return self.fn
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> tuple[_T, Telemetry]:
+        if not args:
+            raise ValueError(_NEEDS_PARAMETERS)
+        return _measure(self.fn, args, kwargs)
+
+
+_NEEDS_PARAMETERS = (
+    "`telemetry(step)` reads the parameters from `step`'s first positional "
+    "argument (the model, as `eqx_amp.filter_value_and_grad` differentiates it); "
+    "call it with the model first."
+)
+
+
+def _argument_names(fn: Callable, count: int) -> list[str]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [
+        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return [
+        positional[i] if i < len(positional) else f"args[{i}]" for i in range(count)
+    ]
+
+
+def _views(model: Any) -> list[Any]:
+    """The models a wrapper holds, whose paths name its leaves: a `filter_amp` or
+    `autocast` wrapper's function, a `BiModel`'s compute and master copies."""
+    if isinstance(model, BiModel):
+        return [model.compute, model.master]
+    if isinstance(model, FunctionWrapper):
+        return [model.fn, *_views(model.fn)]
+    return []
+
+
+def _measure(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Telemetry]:
+    names = _argument_names(fn, len(args))
+    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+    leaves, treedef = jtu.tree_flatten(dynamic)
+    paths = [
+        path
+        for i, arg in enumerate(dynamic[0])
+        for path in keyed_paths(arg, names[i], _views(args[i]))
+    ] + [path for k, v in dynamic[1].items() for path in keyed_paths(v, k)]
+    in_model = len(jtu.tree_leaves(dynamic[0][0]))
+    origins = [Origin.PARAMS] * in_model + [Origin.DATA] * (len(leaves) - in_model)
+    static_out = []
+
+    def flat_fn(*leaves):
+        call_args, call_kwargs = eqx.combine(
+            jtu.tree_unflatten(treedef, leaves), static
+        )
+        out = fn(*call_args, **call_kwargs)
+        dynamic_out, static_part = eqx.partition(out, eqx.is_array)
+        static_out.append(static_part)
+        return dynamic_out
+
+    closed, out_shapes = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
+    naming = Naming()
+    naming.paths.update(zip(closed.jaxpr.invars, paths))
+    outs, _, made = evaluate_making(closed, leaves, Measure(naming), origins=origins)
+    flat_shapes, out_treedef = jtu.tree_flatten(out_shapes)
+    outs = [jnp.asarray(v) for v in cast_to(outs, [s.dtype for s in flat_shapes])]
+    out = eqx.combine(jtu.tree_unflatten(out_treedef, outs), static_out[0])
+    return out, _finish(made)
+
+
+def telemetry(step: Callable[_P, _T]) -> Callable[_P, tuple[_T, Telemetry]]:
+    """Per-layer precision telemetry, collected inside the training step.
+
+    Wraps `step` (a whole training step: forward, backward through
+    `eqx_amp.filter_value_and_grad` or `jax.grad`, the update) so that it returns
+    `(step's outputs, telemetry)`, where `telemetry` is a `Telemetry` pytree: for each
+    layer (named by its path in the step's arguments, `model.blocks[3].attn.qkv`) and
+    tensor role (weight, activation into a product, output gradient, parameter
+    gradient), the largest magnitude, the fractions of values that underflow to
+    zero, that are subnormal, that overflow or saturate in the half or fp8 dtype
+    they are cast to or held in, and for fp8 products the scale used. The numbers
+    are traced values computed inside the step (no host callbacks): return them from
+    the jitted step and log them.
+
+    `step`'s first positional argument holds the parameters (a model, a `BiModel`,
+    a `filter_amp` wrapper). It works with `filter_amp`, `autocast`, `BiModel` and
+    fp8, under `jax.jit`, inside `lax.scan`-stacked blocks (one entry per
+    iteration) and under `shard_map` and sharded `jit` (global values). What runs
+    inside `lax.while_loop` and `lax.cond` (`redo_on_nan > 0` retries, for one) is
+    not measured. Collect every N steps by calling the wrapped step then and `step`
+    itself otherwise: `step` is not changed, so its compiled program is today's.
+
+    **Arguments:**
+
+    - `step`: the training step, called as `step(model, *args, **kwargs)`.
+
+    **Returns:**
+
+    A callable with `step`'s arguments, returning `(step's outputs, Telemetry)`.
+
+    ```python
+    measured_step = eqx.filter_jit(eqx_amp.diagnostics.telemetry(train_step))
+    (model, opt_state, loss_scale, loss), stats = measured_step(
+        model, opt_state, loss_scale, x, y
+    )
+    print(stats.summary())
+    ```
+    """
+    check_callable(step, "telemetry")
+    return cast(Any, eqx.module_update_wrapper(_MeasuredStep(step)))

@@ -1,0 +1,194 @@
+"""`eqx_amp.diagnostics.telemetry`: per-layer statistics inside the training step,
+checked against float32 references on injected values, by role and layer name, in
+scan-stacked blocks and on 8 devices, and leaving the step's own program alone."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import eqx_amp
+from eqx_amp.diagnostics import telemetry
+
+from .helpers import run_script_on_eight_devices
+
+
+F16 = eqx_amp.get_policy("p=f32,c=f16,o=f32")
+
+
+def _loss(model, x):
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+def _step(model, x):
+    (loss, grads), _, _ = eqx_amp.filter_value_and_grad(_loss)(
+        model, x, loss_scale=eqx_amp.StaticLossScale(jnp.float32(1024.0))
+    )
+    return loss, grads
+
+
+def _row(tel, layer, role, dtype="float16", at_cast=None):
+    found = [
+        t
+        for t in tel.tensors
+        if t.layer == layer
+        and t.role == role
+        and t.dtype == dtype
+        and (at_cast is None or t.at_cast == at_cast)
+    ]
+    assert found, f"no {role} of {layer} in {[(t.layer, t.role) for t in tel.tensors]}"
+    return found[0]
+
+
+@pytest.mark.filterwarnings("ignore:`filter_amp` casts the weights")
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+def test_cast_statistics_match_a_float32_reference():
+    # Zeros, float16 subnormals, values that flush, values past float16's largest
+    # finite value, NaN and inf, in a weight cast to float16.
+    special = np.array(
+        [0.0, 1e-6, -3e-7, 1e-9, 7e4, -1e5, np.nan, np.inf, 0.5, 2.0], np.float32
+    )
+    weight = np.tile(special, 16 * 16 // len(special) + 1)[: 16 * 16].reshape(16, 16)
+    model = eqx.tree_at(
+        lambda m: m.weight,
+        eqx.nn.Linear(16, 16, use_bias=False, key=jr.key(0)),
+        jnp.asarray(weight),
+    )
+    amp = eqx_amp.filter_amp(model, policy=F16)
+    _, tel = jax.jit(telemetry(lambda m, x: jax.vmap(m)(x)))(amp, jnp.ones((4, 16)))
+    stats = _row(tel, "m", "weight", at_cast=True)
+
+    half = weight.astype(np.float16).astype(np.float32)
+    finite = np.isfinite(weight)
+    tiny = np.finfo(np.float16).smallest_normal
+    n = weight.size
+    np.testing.assert_allclose(stats.size, n)
+    np.testing.assert_allclose(stats.amax, np.inf)  # NaN ignored, inf kept
+    np.testing.assert_allclose(
+        stats.underflow, np.sum(finite & (weight != 0) & (half == 0)) / n
+    )
+    np.testing.assert_allclose(
+        stats.subnormal, np.sum((np.abs(half) > 0) & (np.abs(half) < tiny)) / n
+    )
+    np.testing.assert_allclose(
+        stats.overflow, np.sum(finite & (np.abs(weight) > 65504)) / n
+    )
+    np.testing.assert_allclose(stats.nonfinite, np.sum(~np.isfinite(half)) / n)
+    assert stats.scale is None
+
+
+@pytest.mark.parametrize("wrap", ["filter_amp", "autocast", "bimodel"])
+def test_roles_and_layer_names(wrap):
+    model = eqx.nn.MLP(16, 4, 32, 2, key=jr.key(0))
+    amp = {
+        "filter_amp": lambda: eqx_amp.filter_amp(model, policy=F16),
+        "autocast": lambda: eqx_amp.autocast(model, policy=F16),
+        "bimodel": lambda: eqx_amp.BiModel(model, policy=F16),
+    }[wrap]()
+    x = jr.normal(jr.key(1), (8, 16))
+    (loss, _), tel = eqx.filter_jit(telemetry(_step))(amp, x)
+    assert loss == eqx.filter_jit(_step)(amp, x)[0]
+    found = {(t.layer, t.role) for t in tel.tensors}
+    for i in range(3):
+        for role in ("weight", "activation", "output gradient", "parameter gradient"):
+            assert (f"model.layers[{i}]", role) in found, (i, role, found)
+    # The largest magnitude of layer 0's weight (a BiModel holds it in float16).
+    weight = _row(tel, "model.layers[0]", "weight")
+    reference = jnp.max(jnp.abs(model.layers[0].weight))
+    np.testing.assert_allclose(weight.amax, reference, rtol=1e-3)
+
+
+def test_fp8_records_the_scale_and_the_unscaled_amax():
+    model = eqx.nn.Linear(32, 32, key=jr.key(0))
+    amp = eqx_amp.filter_amp(model, policy=F16, fp8=eqx_amp.fp8.TENSORWISE)
+    _, tel = eqx.filter_jit(telemetry(_step))(amp, jr.normal(jr.key(1), (16, 32)))
+    weight = _row(tel, "model", "weight", "float8_e4m3fn")
+    amax = jnp.max(jnp.abs(model.weight.astype(jnp.float16).astype(jnp.float32)))
+    np.testing.assert_allclose(weight.amax, amax, rtol=1e-6)
+    np.testing.assert_allclose(weight.scale, 448.0 / amax, rtol=1e-6)
+    grad = _row(tel, "model", "output gradient", "float8_e5m2")
+    assert grad.scale is not None and float(grad.overflow) == 0.0
+
+
+def test_scan_stacked_blocks_have_one_entry_per_iteration():
+    class Stack(eqx.Module):
+        blocks: eqx.nn.Linear
+
+        def __call__(self, x):
+            dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+            def body(h, block):
+                return jnp.tanh(eqx.combine(block, static)(h)), None
+
+            return jax.lax.scan(body, x, dynamic)[0]
+
+    keys = jr.split(jr.key(0), 3)
+    model = Stack(eqx.filter_vmap(lambda k: eqx.nn.Linear(16, 16, key=k))(keys))
+    amp = eqx_amp.autocast(model, policy=F16)
+    _, tel = eqx.filter_jit(telemetry(_step))(amp, jr.normal(jr.key(1), (8, 16)))
+    weight = _row(tel, "model.blocks[{0}]", "weight", at_cast=True)
+    assert weight.amax.shape == (3,)
+    reference = jnp.max(jnp.abs(model.blocks.weight), axis=(1, 2))
+    np.testing.assert_allclose(weight.amax, reference)
+    names = {r.layer for r in tel.rows()}
+    assert {"model.blocks[0]", "model.blocks[1]", "model.blocks[2]"} <= names
+    assert "model.blocks[2]" in tel.summary(top=50)
+
+
+def test_turning_it_off_compiles_todays_program():
+    amp = eqx_amp.filter_amp(eqx.nn.MLP(16, 4, 32, 2, key=jr.key(0)), policy=F16)
+    x = jnp.ones((8, 16))
+    step = eqx.filter_jit(_step)
+    before = step.lower(amp, x).as_text()
+    eqx.filter_jit(telemetry(_step))(amp, x)
+    assert step.lower(amp, x).as_text() == before
+
+
+def test_bad_inputs():
+    with pytest.raises(TypeError, match="`telemetry` takes a callable"):
+        telemetry(3)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="reads the parameters from `step`'s first"):
+        telemetry(lambda: 1.0)()
+    model = eqx.nn.Linear(4, 4, key=jr.key(0))
+    amp = eqx_amp.filter_amp(model, policy=F16)
+    _, tel = telemetry(lambda m, x: m(x))(amp, jnp.ones(4))
+    with pytest.raises(ValueError, match="`top` must be a positive int"):
+        tel.summary(top=0)
+
+    @jax.jit
+    def read_inside(x):
+        _, t = telemetry(lambda m, x: m(x))(amp, x)
+        return t.rows()
+
+    with pytest.raises(TypeError, match="read concrete values"):
+        read_inside(jnp.ones(4))
+
+
+_EIGHT_DEVICES = """
+import equinox as eqx, jax, jax.numpy as jnp, jax.random as jr, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import eqx_amp
+policy = eqx_amp.get_policy("p=f32,c=f16,o=f32")
+model = eqx_amp.filter_amp(eqx.nn.Linear(16, 16, key=jr.key(0)), policy=policy)
+x = jr.normal(jr.key(1), (64, 16)) * jnp.arange(64.0)[:, None]
+mesh = Mesh(np.array(jax.devices()), ("data",))
+
+def forward(m, x):
+    return jax.shard_map(
+        lambda x: jax.vmap(m)(x), mesh=mesh, in_specs=P("data"), out_specs=P("data")
+    )(x)
+
+_, tel = jax.jit(eqx_amp.diagnostics.telemetry(forward))(model, x)
+stats = [t for t in tel.tensors if t.role == "activation" and t.at_cast][0]
+report = {"amax": float(stats.amax), "size": float(stats.size),
+          "reference": float(jnp.max(jnp.abs(x)))}
+"""
+
+
+@pytest.mark.slow
+def test_eight_devices_give_global_values():
+    report = run_script_on_eight_devices(_EIGHT_DEVICES)
+    assert report["size"] == 64 * 16
+    np.testing.assert_allclose(report["amax"], report["reference"])
