@@ -67,8 +67,16 @@ class Measured(eqx.Module):
     COUNTS = ("size", "flushed", "subnormal", "saturated", "nonfinite")
 
 
-def _count(mask: Array) -> Array:
-    return jnp.sum(mask, dtype=jnp.float32)
+def _one_pass(magnitude: Array, masks: list[Array]) -> list[Array]:
+    """The largest of `magnitude` and the number of true values of each mask, in one
+    (variadic) reduction: one pass over the tensor instead of one per statistic."""
+    operands = (magnitude, *(m.astype(jnp.float32) for m in masks))
+
+    def add(a, b):
+        return (jnp.maximum(a[0], b[0]), *(x + y for x, y in zip(a[1:], b[1:])))
+
+    zeros = tuple(np.float32(0) for _ in operands)
+    return list(lax.reduce(operands, zeros, add, tuple(range(magnitude.ndim))))
 
 
 def _statistics(
@@ -78,20 +86,26 @@ def _statistics(
     `value` was cast from it, the wider value before the cast."""
     finfo = jnp.finfo(value.dtype)
     magnitude = jnp.abs(value.astype(jnp.float32))
-    nonfinite = _count(~jnp.isfinite(magnitude))
-    subnormal = _count((magnitude > 0) & (magnitude < float(finfo.smallest_normal)))
-    if source is None:
-        wide, flushed, saturated = magnitude, jnp.zeros(()), jnp.zeros(())
-    else:
+    masks = [
+        ~jnp.isfinite(magnitude),
+        (magnitude > 0) & (magnitude < float(finfo.smallest_normal)),
+    ]
+    wide = magnitude
+    if source is not None:
         wide = jnp.abs(source.astype(jnp.float32))
         finite = jnp.isfinite(wide)
-        flushed = _count(finite & (wide > 0) & (magnitude == 0))
-        # Past the largest finite value: overflowed to inf (NaN in e4m3fn) or
-        # clipped to it.
-        saturated = _count(finite & (wide > float(finfo.max)))
+        masks += [
+            finite & (wide > 0) & (magnitude == 0),
+            # Past the largest finite value: overflowed to inf (NaN in e4m3fn) or
+            # clipped to it.
+            finite & (wide > float(finfo.max)),
+        ]
         if scale is not None:  # fp8 casts the scaled tensor: amax is before scaling
             wide = wide / scale
-    amax = jnp.max(jnp.where(jnp.isnan(wide), 0.0, wide), initial=0.0)
+    amax, nonfinite, subnormal, *at_cast = _one_pass(
+        jnp.where(jnp.isnan(wide), 0.0, wide), masks
+    )
+    flushed, saturated = at_cast or (jnp.zeros(()), jnp.zeros(()))
     return Measured(
         site,
         (),
