@@ -123,3 +123,28 @@ def test_training_state_benchmark_counts_the_bytes():
     assert per_weight["master_weights"] == 14.0
     assert per_weight["bf16 + Kahan, bf16 moments"] <= 8.01
     assert per_weight["bf16 + SR, 8-bit moments"] <= 4.1
+
+
+def test_telemetry_overhead_benchmark_runs():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "telemetry_overhead.py",
+            "--preset",
+            "tiny",
+            "--steps",
+            "1",
+            "--repeats",
+            "1",
+        ],  # fmt: skip
+        cwd=REPO_ROOT / "benchmarks",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "plain ms  measured ms   ratio" in result.stdout
+    for line in ("gpt   filter_amp f16", "cnn   autocast fp8"):
+        assert line in result.stdout

@@ -133,3 +133,11 @@ def test_low_precision_state_halves_the_state_and_tracks_the_float32_master():
         master = rows[(task, "AMP, f32 master")][1]
         for name in ("bf16 + Kahan, bf16 moments", "bf16 + SR, 8-bit moments"):
             assert abs(rows[(task, name)][1] - master) < 0.05 * master, (task, name)
+
+
+def test_telemetry_underflow_shows_the_subnormal_gradients():
+    out = _run_example(
+        "telemetry_underflow.py", "--steps", "4", "--every", "2", "--width", "8"
+    )
+    assert "run              | step |      loss | worst output gradient" in out
+    assert "no loss scale    |    4 |" in out and "DynamicLossScale |    4 |" in out

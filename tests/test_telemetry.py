@@ -65,7 +65,9 @@ def test_cast_statistics_match_a_float32_reference():
     tiny = np.finfo(np.float16).smallest_normal
     n = weight.size
     np.testing.assert_allclose(stats.size, n)
-    np.testing.assert_allclose(stats.amax, np.inf)  # NaN ignored, inf kept
+    # Smaller than the sample: every fraction is exact. amax is NaN: it holds a NaN.
+    np.testing.assert_allclose(stats.sample, n)
+    assert np.isnan(stats.amax)
     np.testing.assert_allclose(
         stats.underflow, np.sum(finite & (weight != 0) & (half == 0)) / n
     )
@@ -77,6 +79,47 @@ def test_cast_statistics_match_a_float32_reference():
     )
     np.testing.assert_allclose(stats.nonfinite, np.sum(~np.isfinite(half)) / n)
     assert stats.scale is None
+
+
+@pytest.mark.filterwarnings("ignore:`filter_amp` casts the weights")
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+def test_large_tensors_sampled_fractions_exact_flags():
+    # 256 x 512 values, 32 times the sample: the sample has 4096 values at a stride
+    # coprime with the row length (33), so it visits every column 8 times (+-1).
+    # Columns 0-63 (1/8) hold float16 subnormals, column 100 values that flush;
+    # one value in the whole tensor is past float16's range and one is inf.
+    rows, cols = 256, 512
+    weight = np.full((rows, cols), 0.5, np.float32)
+    weight[:, :64] = 1e-6
+    weight[:, 100] = 1e-9
+    weight[7, 3] = 1e5
+    weight[9, 5] = np.inf
+    model = eqx.tree_at(
+        lambda m: m.weight,
+        eqx.nn.Linear(cols, rows, use_bias=False, key=jr.key(0)),
+        jnp.asarray(weight),
+    )
+    amp = eqx_amp.filter_amp(model, policy=F16)
+    _, tel = jax.jit(telemetry(lambda m, x: m(x)))(amp, jnp.ones(cols))
+    stats = _row(tel, "m", "weight", at_cast=True)
+    n = weight.size
+    assert float(stats.size) == n and 3000 <= float(stats.sample) <= 4096
+    # Each column's share of the sample is off by at most one value: 1/8 of the
+    # columns is off by at most 64 values, one column by at most one.
+    np.testing.assert_allclose(stats.subnormal, 1 / 8, atol=64 / float(stats.sample))
+    np.testing.assert_allclose(stats.underflow, 1 / cols, atol=1 / float(stats.sample))
+    # The flags are exact: one overflow and one inf, missed or not by the sample.
+    assert float(stats.overflow) >= 1 / n and float(stats.nonfinite) >= 1 / n
+    assert float(stats.amax) == np.inf
+
+
+def test_values_without_specials_have_exact_flags():
+    model = eqx.nn.Linear(64, 64, key=jr.key(0))
+    amp = eqx_amp.filter_amp(model, policy=F16)
+    _, tel = jax.jit(telemetry(lambda m, x: m(x)))(amp, jnp.ones(64))
+    stats = _row(tel, "m", "weight", at_cast=True)
+    assert float(stats.overflow) == 0.0 and float(stats.nonfinite) == 0.0
+    np.testing.assert_allclose(stats.amax, jnp.max(jnp.abs(model.weight)))
 
 
 @pytest.mark.parametrize("wrap", ["filter_amp", "autocast", "bimodel"])

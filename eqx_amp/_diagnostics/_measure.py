@@ -48,74 +48,131 @@ class Site:
     layer: Path | None = None
 
 
+# Underflow and subnormal fractions are estimated from at most this many values of
+# each tensor, taken at a fixed stride (exact for smaller tensors).
+SAMPLE_SIZE = 4096
+
+
 class Measured(eqx.Module):
     """The statistics of one site, as traced values: counts of values (float32, so
     that they sum across devices and scan iterations without overflowing), the
-    largest magnitude, and the fp8 scale. Each `stack` entry is a leading axis (one
-    entry per scan iteration) and the place in the layer's path its index goes."""
+    largest magnitude, and the fp8 scale. `flushed`, `subnormal`, `saturated` and
+    `nonfinite` count values of a sample of `sampled` values; `any_saturated` and
+    `any_nonfinite` (0 or 1) say exactly whether the whole tensor holds such a value.
+    Each `stack` entry is a leading axis (one entry per scan iteration) and the place
+    in the layer's path its index goes."""
 
     site: Site = eqx.field(static=True)
     stack: tuple[int, ...] = eqx.field(static=True)
     size: Scalar
+    sampled: Scalar
     amax: Scalar
     flushed: Scalar
     subnormal: Scalar
     saturated: Scalar
     nonfinite: Scalar
+    any_saturated: Scalar
+    any_nonfinite: Scalar
     scale: Scalar | None
 
-    COUNTS = ("size", "flushed", "subnormal", "saturated", "nonfinite")
+    COUNTS = ("size", "sampled", "flushed", "subnormal", "saturated", "nonfinite")
+    FLAGS = ("amax", "any_saturated", "any_nonfinite")  # combined by their maximum
 
 
-def _one_pass(magnitude: Array, masks: list[Array]) -> list[Array]:
-    """The largest of `magnitude` and the number of true values of each mask, in one
-    (variadic) reduction: one pass over the tensor instead of one per statistic."""
-    operands = (magnitude, *(m.astype(jnp.float32) for m in masks))
+def _stride(shape: tuple[int, ...]) -> int:
+    """The stride of a tensor's sample: at most `SAMPLE_SIZE` values of the
+    flattened tensor, the stride coprime with its last axis, so that the sample
+    visits every column (a stride that is a multiple of the row length would read
+    one column only)."""
+    size = int(np.prod(shape))
+    stride = max(1, -(-size // SAMPLE_SIZE))
+    last = shape[-1] if shape else 1
+    while stride > 1 and np.gcd(stride, last) != 1:
+        stride += 1
+    return stride
 
-    def add(a, b):
-        return (jnp.maximum(a[0], b[0]), *(x + y for x, y in zip(a[1:], b[1:])))
 
-    zeros = tuple(np.float32(0) for _ in operands)
-    return list(lax.reduce(operands, zeros, add, tuple(range(magnitude.ndim))))
+def _sample(x: Array, stride: int) -> Array:
+    flat = x.reshape(-1)
+    if stride == 1:
+        return flat
+    return lax.slice(flat, (0,), ((flat.size - 1) // stride * stride + 1,), (stride,))
+
+
+def _rounds_to_inf(dtype: Any) -> float:
+    """The smallest magnitude a cast to `dtype` does not round to a finite value:
+    halfway past its largest finite value."""
+    largest = np.asarray(jnp.finfo(dtype).max, dtype)
+    below = np.nextafter(largest, np.asarray(0, dtype))
+    return float(largest) + (float(largest) - float(below)) / 2
+
+
+def _amax(magnitude: Array, scale: Array | None) -> Array:
+    """The largest of `magnitude` (NaN if it holds a NaN: XLA's max propagates it),
+    in one max reduction; for an fp8 cast, of `magnitude / scale`, the tensor before
+    scaling, reduced to the scale's shape first so that no full-size division runs."""
+    if magnitude.size == 0:
+        return jnp.zeros((), jnp.float32)
+    if scale is None:
+        return jnp.max(magnitude)
+    if scale.ndim == magnitude.ndim:
+        axes = tuple(i for i, n in enumerate(scale.shape) if n == 1)
+        return jnp.max(jnp.max(magnitude, axis=axes, keepdims=True) / scale)
+    return jnp.max(magnitude) / jnp.min(scale)
 
 
 def _statistics(
     site: Site, value: Array, source: Array | None, scale: Array | None
 ) -> Measured:
     """`value` as the program holds it (in its half or fp8 dtype); `source`, when
-    `value` was cast from it, the wider value before the cast."""
+    `value` was cast from it, the wider value before the cast.
+
+    One max pass over the tensor gives its largest magnitude exactly, and with it
+    whether it holds an inf or NaN or (at a cast) values too large for the dtype.
+    The fractions are counted in a strided sample of at most `SAMPLE_SIZE` values."""
+    f32 = jnp.float32
     finfo = jnp.finfo(value.dtype)
-    magnitude = jnp.abs(value.astype(jnp.float32))
+    whole = value if source is None else source
+    amax = _amax(jnp.abs(whole), scale).astype(f32)
+    if source is None or scale is not None:
+        # fp8 casts the scaled tensor clipped to the dtype's range: only inf and NaN.
+        any_nonfinite = ~jnp.isfinite(amax)
+        any_saturated = jnp.zeros((), bool)
+    else:
+        any_nonfinite = ~(amax < _rounds_to_inf(value.dtype))
+        any_saturated = ~(amax <= float(finfo.max))
+    stride = _stride(value.shape)
+    small = jnp.abs(_sample(value, stride).astype(f32))
     masks = [
-        ~jnp.isfinite(magnitude),
-        (magnitude > 0) & (magnitude < float(finfo.smallest_normal)),
+        (small > 0) & (small < float(finfo.smallest_normal)),
+        ~jnp.isfinite(small),
     ]
-    wide = magnitude
     if source is not None:
-        wide = jnp.abs(source.astype(jnp.float32))
-        finite = jnp.isfinite(wide)
+        before = jnp.abs(_sample(source, stride).astype(f32))
+        finite = jnp.isfinite(before)
         masks += [
-            finite & (wide > 0) & (magnitude == 0),
+            finite & (before > 0) & (small == 0),
             # Past the largest finite value: overflowed to inf (NaN in e4m3fn) or
             # clipped to it.
-            finite & (wide > float(finfo.max)),
+            finite & (before > float(finfo.max)),
         ]
-        if scale is not None:  # fp8 casts the scaled tensor: amax is before scaling
-            wide = wide / scale
-    amax, nonfinite, subnormal, *at_cast = _one_pass(
-        jnp.where(jnp.isnan(wide), 0.0, wide), masks
-    )
-    flushed, saturated = at_cast or (jnp.zeros(()), jnp.zeros(()))
+    counts = jnp.sum(jnp.stack(masks), axis=1, dtype=f32)
+    zero = jnp.zeros((), f32)
+    subnormal, nonfinite, *at_cast = counts
+    flushed, saturated = at_cast or (zero, zero)
     return Measured(
         site,
         (),
-        jnp.asarray(value.size, jnp.float32),
+        jnp.asarray(value.size, f32),
+        jnp.asarray(small.size, f32),
         amax,
         flushed,
         subnormal,
         saturated,
         nonfinite,
-        None if scale is None else jnp.min(scale).astype(jnp.float32),
+        any_saturated.astype(f32),
+        any_nonfinite.astype(f32),
+        None if scale is None else jnp.min(scale).astype(f32),
     )
 
 
@@ -123,11 +180,14 @@ def combine(group: list[Measured]) -> Measured:
     """One site's statistics from several measurements of it (summed counts,
     largest amax, smallest scale)."""
     first = group[0]
-    fields = {k: sum(getattr(m, k) for m in group) for k in Measured.COUNTS}
-    amax = jnp.max(jnp.stack([m.amax for m in group]), axis=0)
+    fields: dict[str, Any] = {
+        k: sum(getattr(m, k) for m in group) for k in Measured.COUNTS
+    }
+    for k in Measured.FLAGS:
+        fields[k] = jnp.max(jnp.stack([getattr(m, k) for m in group]), axis=0)
     scales = [m.scale for m in group if m.scale is not None]
     scale = jnp.min(jnp.stack(scales), axis=0) if scales else None
-    return dataclasses.replace(first, amax=amax, scale=scale, **fields)
+    return dataclasses.replace(first, scale=scale, **fields)
 
 
 def across(made: list, axis_names: frozenset) -> list:
@@ -136,10 +196,10 @@ def across(made: list, axis_names: frozenset) -> list:
 
     def reduce(m: Measured) -> Measured:
         fields = {k: lax.psum(getattr(m, k), axes) for k in Measured.COUNTS}
+        for k in Measured.FLAGS:
+            fields[k] = lax.pmax(getattr(m, k), axes)
         scale = None if m.scale is None else lax.pmin(m.scale, axes)
-        return dataclasses.replace(
-            m, amax=lax.pmax(m.amax, axes), scale=scale, **fields
-        )
+        return dataclasses.replace(m, scale=scale, **fields)
 
     return [reduce(m) for m in made]
 
