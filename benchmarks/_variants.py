@@ -201,9 +201,21 @@ autocast = wrapped(eqx_amp.autocast)
 autocast_fp8 = wrapped(
     ft.partial(eqx_amp.autocast, rules={jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE})
 )
+# Rowwise matmuls; convolutions in fp8 too (an fp8 convolution is scaled tensorwise).
+autocast_fp8_rowwise = wrapped(
+    ft.partial(
+        eqx_amp.autocast,
+        rules={
+            jax.lax.dot_general_p: eqx_amp.fp8.ROWWISE,
+            jax.lax.conv_general_dilated_p: eqx_amp.fp8.ROWWISE,
+        },
+    )
+)
+# The matmuls and convolutions that read the model's parameters, in fp8.
+filter_amp_fp8 = wrapped(ft.partial(eqx_amp.filter_amp, fp8=eqx_amp.fp8.TENSORWISE))
 
 
-def bimodel(dtype: str):
+def bimodel(dtype: str, fp8=None):
     def build(task: Task) -> Built:
         optimizer = task.optimizer
 
@@ -225,7 +237,7 @@ def bimodel(dtype: str):
                 )
             return (new_bm, new_opt_state, loss_scale), loss
 
-        bm = eqx_amp.BiModel(task.model, policy=_POLICY[dtype])
+        bm = eqx_amp.BiModel(task.model, policy=_POLICY[dtype], fp8=fp8)
         loss_scale = (
             eqx_amp.NoOpLossScale()
             if dtype == "bf16"
@@ -423,6 +435,15 @@ VARIANTS: dict[str, Variant] = {
         Variant("bimodel_f16", "eqx_amp", "f16", "dynamic+skip", bimodel("f16")),
         Variant("autocast_fp8", "eqx_amp", "fp8", "none", autocast_fp8("bf16")),
         Variant(
+            "autocast_fp8_rowwise", "eqx_amp", "fp8", "none",
+            autocast_fp8_rowwise("bf16"),
+        ),
+        Variant("filter_amp_fp8", "eqx_amp", "fp8", "none", filter_amp_fp8("bf16")),
+        Variant(
+            "bimodel_fp8", "eqx_amp", "fp8", "no-op",
+            bimodel("bf16", fp8=eqx_amp.fp8.TENSORWISE),
+        ),
+        Variant(
             "jmp_bf16", "peer", "bf16", "no-op", jmp_variant("bf16"),
             requires="jmp", package="jmp",
         ),
@@ -437,7 +458,12 @@ VARIANTS: dict[str, Variant] = {
     ]
 }  # fmt: skip
 
-DEFAULT_VARIANTS = tuple(VARIANTS)
+# The fp8 roads beyond `autocast_fp8` run in `--variants all` and the H100 compile
+# (`--preset h100-aot`); a CPU has no fp8 GEMM to time them on.
+MORE_FP8 = ("autocast_fp8_rowwise", "filter_amp_fp8", "bimodel_fp8")
+DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in MORE_FP8)
 EQX_AMP_ONLY = tuple(
-    n for n, v in VARIANTS.items() if v.family in ("baseline", "eqx_amp")
+    n
+    for n, v in VARIANTS.items()
+    if v.family in ("baseline", "eqx_amp") and n not in MORE_FP8
 )

@@ -5,6 +5,7 @@ against float32, a hand-cast bfloat16 model and the peer libraries.
     python benchmarks/run.py --preset gpu            # GPT-2 small + a ResNet, on a GPU
     python benchmarks/run.py --preset sharded        # collectives of FSDP/TP steps
     python benchmarks/run.py --preset state          # training-state bytes, update cost
+    python benchmarks/run.py --preset h100-aot       # compiled for an H100, no GPU needed
     python benchmarks/run.py --models gpt --variants fp32,hand_bf16,filter_amp_bf16
     python benchmarks/run.py --json results.json --markdown table.md
 
@@ -523,10 +524,12 @@ def main(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     backend = jax.default_backend()
-    parser.add_argument("--preset", choices=sorted(PRESETS) + ["sharded", "state"],
+    parser.add_argument("--preset",
+                        choices=sorted(PRESETS) + ["sharded", "state", "h100-aot"],
                         default="gpu" if backend == "gpu" else "cpu",
                         help="`sharded`: benchmarks/sharded.py (collectives on 8 "
-                        "devices), in its own process")  # fmt: skip
+                        "devices), `h100-aot`: benchmarks/h100_aot.py (compiled "
+                        "for an H100 without one), each in its own process")  # fmt: skip
     parser.add_argument("--models", default="gpt,cnn", help="comma-separated: gpt, cnn")
     parser.add_argument("--variants", default="default",
                         help="comma-separated names, or default / eqx_amp / all")  # fmt: skip
@@ -552,6 +555,16 @@ def main(argv=None):
         command = [sys.executable, str(_HERE / "sharded.py")]
         if args.json:
             command += ["--json", str(args.json)]
+        sys.exit(subprocess.run(command).returncode)
+    if args.preset == "h100-aot":
+        # The CUDA plugin must be told before JAX starts its backends that this
+        # machine has no GPU, which this process has done.
+        command = [sys.executable, str(_HERE / "h100_aot.py"), "--models", args.models]
+        if args.variants != "default":
+            command += ["--variants", args.variants]
+        for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
+            if path:
+                command += [flag, str(path)]
         sys.exit(subprocess.run(command).returncode)
     if args.preset == "state":
         command = [sys.executable, str(_HERE / "training_state.py")]

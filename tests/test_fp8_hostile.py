@@ -15,7 +15,7 @@ unit roundoff plus a subnormal spacing at its scale):
 - dtypes: int, bool and complex operands and out_dtypes refused, dtype words taken;
 - transformations: second-order derivatives refused (they would be rounded to fp8
   without scales), `vmap` with a NaN example, `jit` retracing on a new shape and
-  dtype, the rowwise backward products reading plain conversions from fp8;
+  dtype, every product (rowwise backward ones included) reading fp8 arrays;
 - the report: only live products, under the dtypes they read;
 - fp8 filters: identity predicates for `filter_amp` (module, closure, argument) and
   `BiModel`, and a warning where the filter selects nothing.
@@ -333,29 +333,20 @@ def test_vmap_with_a_nan_example_and_jit_retracing():
 
 
 def _operands_of_products(jaxpr):
-    """For each dot_general: the dtypes its operands were converted up from (None
-    where an operand is not a plain conversion)."""
-    made_by = {}
-    found = []
-    for eqn, _ in walk_eqns(jaxpr):
-        for v in eqn.outvars:
-            made_by[v] = eqn
-        if eqn.primitive.name == "dot_general":
-            sources = []
-            for v in eqn.invars:
-                maker = made_by.get(v)
-                converted = maker is not None and maker.primitive.name == (
-                    "convert_element_type"
-                )
-                sources.append(maker.invars[0].aval.dtype if converted else None)
-            found.append(tuple(sources))
-    return found
+    """The dtypes of each dot_general's operands."""
+    return [
+        tuple(v.aval.dtype for v in eqn.invars)
+        for eqn, _ in walk_eqns(jaxpr)
+        if eqn.primitive.name == "dot_general"
+    ]
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)
-def test_every_product_of_a_step_reads_plain_conversions_from_fp8(scaling):
-    """Rowwise backward products read `convert(fp8) / row_scale`, which is no fp8
-    GEMM; now each backward product quantises its operands per row of its own."""
+def test_every_product_of_a_step_reads_fp8_arrays(scaling):
+    """Rowwise backward products once read `convert(fp8) / row_scale`, which is no
+    fp8 GEMM, and conversions up in front of a dot can be dropped by XLA once it
+    merges dots; every product reads fp8 arrays, each backward product quantised
+    per row of its own."""
     x, w, g = _case("zeros")
     x = _normal(jr.key(15), (M, K))
     jaxpr = jax.make_jaxpr(ft.partial(_product_and_grads, scaling=scaling))(x, w, g)
@@ -472,3 +463,33 @@ def test_an_fp8_filter_that_selects_nothing_says_so():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         eqx_amp.filter_amp(model, fp8=eqx_amp.fp8.TENSORWISE, fp8_filter=is_l2)(x[0])
+
+
+def test_report_of_an_fp8_convolution_counts_its_backward_convolutions_as_bfloat16():
+    """cuDNN has fp8 forward convolutions only (an H100 compile shows float32 backward
+    convolutions when they read float32 conversions): they read bfloat16 copies of
+    the fp8 values, are counted as bfloat16 and listed as left out of fp8."""
+    x, w = _normal(jr.key(18), (2, 16, 8, 8)), _normal(jr.key(19), (16, 16, 3, 3))
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")
+
+    def loss(x, w):
+        rules = {jax.lax.conv_general_dilated_p: eqx_amp.fp8.TENSORWISE}
+        y = eqx_amp.autocast(conv, rules=rules)(x, w)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    report = eqx_amp.precision_report(jax.grad(loss, (0, 1)), x, w)
+    one = report.matmul_flops // 3
+    assert report.flops_by_dtypes[(E4M3.name, E4M3.name)] == one
+    assert report.flops_by_dtypes[("bfloat16", "bfloat16")] == 2 * one
+    assert [s.reason for s in report.fp8_skipped] == [
+        "backward convolution (cuDNN has fp8 forward convolutions only; it reads "
+        "bfloat16 copies of the fp8 values)"
+    ] * 2
+    # Still the fp8 numbers: the bfloat16 copies hold the fp8 values exactly.
+    grads = jax.grad(loss, (0, 1))(x, w)
+    reference = jax.grad(lambda x, w: jnp.sum(conv(x, w) ** 2), (0, 1))(x, w)
+    for got, want in zip(grads, reference):
+        assert jnp.all(jnp.isfinite(got))
+        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.15

@@ -2,7 +2,7 @@
 
 mkdocstrings reads the package by static analysis, which finds docstrings in the
 source. The autocast rules (`eqx_amp.LOW`, `FULL`, `PROMOTE`, `KEEP`) and the fp8 rules
-(`FP8`, `FP8_ROWWISE`) are instances whose documentation is set at runtime (a `doc`
+(`eqx_amp.fp8.TENSORWISE`, `eqx_amp.fp8.ROWWISE`) are instances whose documentation is set at runtime (a `doc`
 argument, or their class's docstring), which static analysis cannot see. For each
 module-level attribute of `eqx_amp` without a docstring, this imports the module and
 uses the `__doc__` of the object, if the object's type is defined in `eqx_amp` (so a

@@ -1,0 +1,284 @@
+"""What XLA's optimised GPU HLO runs: its products and kernels, read from the text.
+
+`products(text)` finds every matmul and convolution of a compiled GPU program:
+
+- cuBLAS calls (`__cublas$lt$matmul`, `__cublas$gemm`) and cuBLASLt's fp8 GEMM
+  (`__cublas$lt$matmul$f8`), with the dtypes of their operands;
+- cuDNN convolutions (`__cudnn$convForward`, `...BackwardInput`, `...BackwardFilter`,
+  `...ForwardGraph`: the fused graph that fp8 convolutions run as);
+- Triton GEMM fusions (XLA's choice when it cannot autotune), with the dtypes their
+  dots read: for a dot that reads a conversion, the dtype converted from (a Triton
+  dot of conversions from fp8 multiplies fp8 values in a wider type).
+
+Each product keeps the JAX `op_name` it came from, which holds the named scopes: an
+eqx_amp fp8 product is under `eqx_amp.fp8` (and one an fp8 rule left out of fp8 under
+`eqx_amp.fp8_skipped: <why>`). `kernels(text)` counts the fusions launched and the
+converts. Only the text is read: no GPU, no plugin.
+"""
+
+import collections
+import dataclasses
+import re
+
+
+FP8_SKIPPED_SCOPE = "eqx_amp.fp8_skipped"
+FP8_TYPES = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz")
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_FUSION_KIND = re.compile(r'"kind":"(__[\w]+)"')
+# eqx_amp's fp8 scope in an op_name (`vmap(eqx_amp.fp8)/dot_general`), not the skipped one.
+_IN_FP8_SCOPE = re.compile(r"eqx_amp\.fp8(?![\w])")
+_LAYOUT = ("bitcast", "copy", "transpose", "reshape")
+
+
+def _bits(dtype: str) -> int:
+    """Bits of an HLO element type (`f8e4m3fn` 8, `bf16` 16, `f32` 32)."""
+    if dtype.startswith("f8"):
+        return 8
+    digits = re.search(r"(\d+)$", dtype)
+    return int(digits.group(1)) if digits else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    type: str  # "f32[128,64]{1,0}", or a tuple "(f32[..], s8[..])"
+    op: str  # "custom-call", "fusion", "dot", "convert", ...
+    operands: tuple[str, ...]
+    arguments: str  # the text between the parentheses (a parameter's index)
+    attributes: str  # the rest of the line
+    computation: str
+    root: bool
+
+    @property
+    def dtype(self) -> str:
+        """The element type of the (first) result."""
+        return self.type.lstrip("(").split("[", 1)[0]
+
+    @property
+    def op_name(self) -> str:
+        match = _OP_NAME.search(self.attributes)
+        return match.group(1) if match else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """One matmul or convolution of the compiled program."""
+
+    kind: str  # "cublas", "cublas-fp8", "triton", "cudnn", "cudnn-fp8"
+    call: str  # the custom-call target, or the Triton fusion's kind
+    reads: tuple[str, ...]  # the dtypes it multiplies
+    op_name: str
+
+    @property
+    def fp8(self) -> bool:
+        """Whether it multiplies fp8 values: cuBLASLt's fp8 GEMM, a cuDNN
+        convolution of fp8 operands, or a Triton dot of fp8 values."""
+        return self.kind in ("cublas-fp8", "cudnn-fp8") or (
+            self.kind == "triton" and all(t in FP8_TYPES for t in self.reads)
+        )
+
+    @property
+    def asked_for_fp8(self) -> bool:
+        """Whether eqx_amp made it an fp8 product (its fp8 scope, not skipped)."""
+        return bool(_IN_FP8_SCOPE.search(self.op_name)) and (
+            FP8_SKIPPED_SCOPE not in self.op_name
+        )
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """(the result type, what follows it) of the text after `%name = `."""
+    if rest.startswith("("):
+        depth = 0
+        for i, char in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1 :].lstrip()
+    type_, _, after = rest.partition(" ")
+    return type_, after
+
+
+def _call_operands(text: str) -> tuple[str, str]:
+    """(the operands between the op's parentheses, the attributes after them), from
+    the text after the opening parenthesis."""
+    depth = 1
+    for i, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0 and char == ")":
+            return text[:i], text[i + 1 :]
+    return text, ""
+
+
+def parse(text: str) -> dict[str, Instruction]:
+    """Every instruction of an HLO module's text, by name (names are unique in a
+    module)."""
+    instructions = {}
+    computation = ""
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            computation = header.group(1)
+            continue
+        named = _NAME.match(line)
+        if not named:
+            continue
+        type_, rest = _split_type(line[named.end() :])
+        op, _, after = rest.partition("(")
+        operands, attributes = _call_operands(after)
+        instructions[named.group(1)] = Instruction(
+            name=named.group(1),
+            type=type_,
+            op=op.strip(),
+            operands=tuple(_OPERAND.findall(re.sub(r"/\*.*?\*/", "", operands))),
+            arguments=operands,
+            attributes=attributes,
+            computation=computation,
+            root=line.lstrip().startswith("ROOT"),
+        )
+    return instructions
+
+
+class _Module:
+    def __init__(self, text: str):
+        self.instructions = parse(text)
+        self.roots = {i.computation: i for i in self.instructions.values() if i.root}
+        # A fused computation -> the instruction that calls it.
+        self.caller = {}
+        for i in self.instructions.values():
+            for called in _CALLS.findall(i.attributes):
+                self.caller.setdefault(called, i)
+
+    def _producer(self, name: str) -> Instruction | None:
+        """The instruction that makes a value, through layout ops, fusion
+        boundaries (a fusion's root) and fusion parameters (the caller's operand)."""
+        for _ in range(64):
+            inst = self.instructions.get(name)
+            if inst is None:
+                return None
+            if inst.op in _LAYOUT and inst.operands:
+                name = inst.operands[0]
+            elif inst.op == "fusion" and _CALLS.search(inst.attributes):
+                root = self.roots.get(_CALLS.search(inst.attributes).group(1))
+                if root is None:
+                    return inst
+                name = root.name
+            elif inst.op == "parameter" and inst.computation in self.caller:
+                caller = self.caller[inst.computation]
+                index = int(inst.arguments)
+                if index >= len(caller.operands):
+                    return inst
+                name = caller.operands[index]
+            else:
+                return inst
+        return None
+
+    def read_dtype(self, name: str) -> str:
+        """The dtype a product reads from `name`: its own, or where it is a
+        conversion up, the narrower dtype converted from (the values it holds)."""
+        inst = self.instructions.get(name)
+        if inst is None:
+            return "?"
+        maker = self._producer(name)
+        if maker is not None and maker.op == "convert" and maker.operands:
+            source = self._producer(maker.operands[0])
+            if source is not None and _bits(source.dtype) < _bits(inst.dtype):
+                return source.dtype
+        return inst.dtype
+
+    def computations_under(self, name: str) -> list[str]:
+        """`name` and the computations it calls, transitively."""
+        seen, todo = [], [name]
+        while todo:
+            current = todo.pop()
+            if current in seen:
+                continue
+            seen.append(current)
+            for i in self.instructions.values():
+                if i.computation == current:
+                    todo.extend(_CALLS.findall(i.attributes))
+        return seen
+
+
+def _operand_dtypes(module: _Module, inst: Instruction, n: int) -> tuple[str, ...]:
+    return tuple(
+        module.instructions[o].dtype if o in module.instructions else "?"
+        for o in inst.operands[:n]
+    )
+
+
+def products(text: str) -> list[Product]:
+    """Every matmul and convolution of a compiled GPU program."""
+    module = _Module(text)
+    found = []
+    for inst in module.instructions.values():
+        if inst.op == "custom-call":
+            target = _TARGET.search(inst.attributes)
+            target = target.group(1) if target else ""
+            reads = _operand_dtypes(module, inst, 2)
+            if "cublas" in target:
+                kind = "cublas-fp8" if target.endswith("$f8") else "cublas"
+            elif target.startswith("__cudnn$conv"):
+                fp8 = all(t in FP8_TYPES for t in reads)
+                kind = "cudnn-fp8" if fp8 else "cudnn"
+            else:
+                continue
+            found.append(Product(kind, target, reads, inst.op_name))
+        elif inst.op == "fusion":
+            fusion_kind = _FUSION_KIND.search(inst.attributes)
+            if fusion_kind is None or "gemm" not in fusion_kind.group(1):
+                continue
+            called = _CALLS.search(inst.attributes)
+            for computation in module.computations_under(called.group(1)):
+                for dot in module.instructions.values():
+                    if dot.computation == computation and dot.op == "dot":
+                        reads = tuple(module.read_dtype(o) for o in dot.operands)
+                        found.append(
+                            Product("triton", fusion_kind.group(1), reads, inst.op_name)
+                        )
+    return found
+
+
+def kernels(text: str) -> dict[str, int]:
+    """Fusions launched (those outside other fusions) and converts anywhere."""
+    module = _Module(text)
+    fused = {
+        c
+        for i in module.instructions.values()
+        if i.op == "fusion"
+        for c in _CALLS.findall(i.attributes)
+    }
+    inside = set()
+    for computation in fused:
+        inside.update(module.computations_under(computation))
+    counts = collections.Counter()
+    for inst in module.instructions.values():
+        if inst.op == "fusion" and inst.computation not in inside:
+            counts["fusions"] += 1
+        if inst.op == "convert":
+            counts["converts"] += 1
+    return {"fusions": counts["fusions"], "converts": counts["converts"]}
+
+
+def summary(found: list[Product]) -> dict[str, int]:
+    """Products by kind and the dtype they multiply: `cublas-fp8`, `cublas bf16`,
+    `cublas f32`, `cudnn-fp8`, `cudnn bf16`, `triton f8e4m3fn x f8e4m3fn`, ..."""
+    counts = collections.Counter()
+    for p in found:
+        if p.kind in ("cublas-fp8", "cudnn-fp8"):
+            counts[p.kind] += 1
+        elif p.kind == "triton":
+            counts[f"triton {' x '.join(p.reads)}"] += 1
+        else:
+            counts[f"{p.kind} {'/'.join(sorted(set(p.reads)))}"] += 1
+    return dict(sorted(counts.items()))
+
+
+def not_fp8(found: list[Product]) -> list[Product]:
+    """The products eqx_amp made fp8 ones that the compiled program does not run
+    in fp8."""
+    return [p for p in found if p.asked_for_fp8 and not p.fp8]

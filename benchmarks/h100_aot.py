@@ -1,0 +1,205 @@
+"""Every variant's training step compiled for an H100 on a machine without a GPU.
+
+    pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
+    python benchmarks/run.py --preset h100-aot          # the CPU preset's models
+    python benchmarks/run.py --preset h100-aot --size gpu --models gpt
+
+JAX compiles for a GPU it does not have (deviceless ahead-of-time compilation) from
+the CUDA plugin and a description of the device (`h100_sxm.txtpb`: an H100 SXM, its
+CUDA runtime version included, without which XLA emits no fp8 GEMM). Each step is
+compiled twice: with XLA's defaults (no autotuning without a device, so GEMMs become
+Triton fusions) and with `xla_gpu_enable_triton_gemm=False` (GEMMs become cuBLAS
+calls, and an fp8 one is `__cublas$lt$matmul$f8`: a direct check that a product is an
+fp8 GEMM). From the optimised HLO (`_gpu_hlo.py`): the products by kind and dtype,
+the fp8 products eqx_amp asked for that are not fp8, fusions and converts, and
+`memory_analysis()` beside the hand-cast step.
+
+What this cannot show: the kernels the autotuner picks on a real H100 (it may prefer
+cuBLAS or Triton per shape), and time. `--preset gpu` measures those when a GPU is
+there.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+
+TARGET = pathlib.Path(__file__).resolve().parent / "h100_sxm.txtpb"
+NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
+# The variants compiled by default: the baselines, every eqx_amp road in bfloat16 and
+# float16, and every fp8 road.
+VARIANTS = (
+    "fp32", "hand_bf16", "filter_amp_bf16", "autocast_bf16", "bimodel_bf16",
+    "filter_amp_f16", "autocast_f16", "bimodel_f16", "autocast_fp8",
+    "autocast_fp8_rowwise", "filter_amp_fp8", "bimodel_fp8",
+)  # fmt: skip
+MiB = 2**20
+
+
+def plugin_missing() -> str | None:
+    """Why an H100 compile cannot run here (no CUDA plugin), or None."""
+    try:
+        import jax_cuda12_plugin  # noqa: F401
+    except ImportError:
+        return (
+            "the CUDA plugin is not installed: pip install "
+            '"jax[cuda12]==<this jax version>" (no GPU needed)'
+        )
+    return None
+
+
+def h100_sharding():
+    """A sharding on a deviceless H100: what `jax.ShapeDtypeStruct`s of the inputs
+    carry so that `jax.jit(f).lower(...)` compiles for it. The environment variable
+    must be set before JAX starts its backends (the plugin refuses a machine
+    without CUDA otherwise)."""
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    import jax
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(
+        platform="cuda",
+        topology_name="h100",
+        target_config=TARGET.read_text(),
+        topology="1x1x1",
+    )
+    return jax.sharding.SingleDeviceSharding(topology.devices[0])
+
+
+def compile_for_h100(fn, *args, sharding, triton_gemm: bool = True):
+    """`jax.jit(fn)` compiled for the H100 of `sharding`, for arguments shaped as
+    `args` (arrays or `jax.ShapeDtypeStruct`s)."""
+    import jax
+
+    def spec(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    lowered = jax.jit(fn).lower(*jax.tree.map(spec, args))
+    return lowered.compile(compiler_options=None if triton_gemm else NO_TRITON_GEMM)
+
+
+def analyse(compiled) -> dict:
+    """Products, kernels and memory of one compiled program."""
+    import _gpu_hlo
+
+    text = compiled.as_text()
+    found = _gpu_hlo.products(text)
+    memory = compiled.memory_analysis()
+    return {
+        "products": _gpu_hlo.summary(found),
+        "not_fp8": [
+            {"call": p.call, "reads": list(p.reads), "op_name": p.op_name}
+            for p in _gpu_hlo.not_fp8(found)
+        ],
+        "asked_for_fp8": sum(p.asked_for_fp8 for p in found),
+        **_gpu_hlo.kernels(text),
+        "argument_bytes": memory.argument_size_in_bytes,
+        "output_bytes": memory.output_size_in_bytes,
+        "temp_bytes": memory.temp_size_in_bytes,
+    }
+
+
+def compile_variant(model: str, variant: str, size: str, sharding) -> dict:
+    """One variant's training step, compiled both ways."""
+    import _measure
+    from _models import PRESETS, make_task
+    from _variants import VARIANTS as ALL
+
+    task = make_task(model, PRESETS[size][model])
+    built = ALL[variant].build(task)
+    step, dynamic = _measure.jittable(built.step, built.state)
+    out = {"variant": variant}
+    for name, triton in (("default", True), ("cublas", False)):
+        start = time.perf_counter()
+        compiled = compile_for_h100(
+            step, dynamic, task.batch(0), sharding=sharding, triton_gemm=triton
+        )
+        out[name] = {**analyse(compiled), "compile_s": time.perf_counter() - start}
+    return out
+
+
+def _products_text(products: dict) -> str:
+    return ", ".join(f"{n} {k}" for k, n in products.items()) or "-"
+
+
+def markdown(results: dict) -> str:
+    """One table per model: GEMM kinds with Triton GEMMs off, Triton's reads with
+    XLA's defaults, fusions, converts and temporaries beside the hand-cast step."""
+    lines = []
+    for model, rows in results.items():
+        hand = next((r for r in rows if r["variant"] == "hand_bf16"), None)
+        lines += [
+            f"### {model}",
+            "",
+            "| variant | products, Triton GEMMs off | fp8 asked / not fp8 | "
+            "products, XLA defaults | fusions | converts | temp MiB | temp ×hand |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            cublas, default = r["cublas"], r["default"]
+            ratio = (
+                f"{default['temp_bytes'] / hand['default']['temp_bytes']:.2f}"
+                if hand and hand["default"]["temp_bytes"]
+                else "-"
+            )
+            lines.append(
+                f"| {r['variant']} | {_products_text(cublas['products'])} | "
+                f"{cublas['asked_for_fp8']} / {len(cublas['not_fp8'])} | "
+                f"{_products_text(default['products'])} | {default['fusions']} | "
+                f"{default['converts']} | {default['temp_bytes'] / MiB:.1f} | {ratio} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=("cpu", "gpu"), default="cpu",
+                        help="the model sizes of that preset")  # fmt: skip
+    parser.add_argument("--models", default="gpt,cnn")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--markdown", help="write the tables here")
+    args = parser.parse_args(argv)
+    missing = plugin_missing()
+    if missing:
+        print(f"--preset h100-aot: {missing}", file=sys.stderr)
+        return 2
+    sharding = h100_sharding()
+    results = {}
+    for model in args.models.split(","):
+        results[model] = []
+        for variant in args.variants.split(","):
+            row = compile_variant(model, variant, args.size, sharding)
+            results[model].append(row)
+            print(
+                f"{model} {variant}: {_products_text(row['cublas']['products'])}; "
+                f"fp8 asked {row['cublas']['asked_for_fp8']}, not fp8 "
+                f"{len(row['cublas']['not_fp8'])}",
+                flush=True,
+            )
+    table = markdown(results)
+    print("\n" + table)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(table)
+    failures = [
+        (model, r["variant"], p)
+        for model, rows in results.items()
+        for r in rows
+        for p in r["cublas"]["not_fp8"]
+    ]
+    for model, variant, p in failures:
+        print(f"NOT FP8: {model} {variant}: {p['call']} reads {p['reads']}: "
+              f"{p['op_name']}")  # fmt: skip
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    sys.path.insert(1, str(pathlib.Path(__file__).resolve().parent.parent))
+    sys.exit(main())

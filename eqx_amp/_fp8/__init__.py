@@ -1,0 +1,26 @@
+"""fp8 matmuls with current scaling: no state, scales from each tensor's own amax.
+
+The forward operands are quantised to `float8_e4m3fn` and the backward pass's output
+gradient to `float8_e5m2` (more range, less precision: gradients need it), each
+with a float32 scale computed from the tensor's absolute maximum right before use
+("current" scaling; delayed scaling keeps a history of amaxes in state, which goes
+stale). The matmul multiplies the fp8 arrays themselves (what XLA makes an fp8
+GEMM of on GPUs that have one), accumulates in float32 and applies the scales to
+its output; so do the backward products, forward-scaled rowwise ones included.
+Convolutions are fp8 forward only: cuDNN has no fp8 backward convolution, so those
+read bfloat16 copies of the fp8 values (exact) and `precision_report` says so.
+Derivatives come from `jax.custom_vjp`, so the backward pass is exactly the one
+written here, and differentiating it again is refused.
+
+The layers: `_scaling` (scales from amaxes), `_products` (the fp8 matmul and
+convolution with their derivative rules), `_rules` (where products run in fp8).
+"""
+
+from ._products import FP8_SCOPE as FP8_SCOPE
+from ._products import FP8_SKIPPED_SCOPE as FP8_SKIPPED_SCOPE
+from ._rules import FP8_PRIMITIVES as FP8_PRIMITIVES
+from ._rules import ROWWISE as ROWWISE
+from ._rules import TENSORWISE as TENSORWISE
+from ._rules import Fp8Rule as Fp8Rule
+from ._rules import dot_general as dot_general
+from ._rules import product_in_fp8 as product_in_fp8

@@ -1,0 +1,267 @@
+"""The fp8 products and their derivative rules: matmuls (tensorwise or rowwise
+scales) and convolutions (tensorwise, fp8 forward only), first-order only."""
+
+import functools as ft
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array
+
+from ._scaling import E4M3, E5M2, quantize, unscale
+
+
+# The named scope fp8 products run under, and the one products an fp8 rule left in
+# the compute dtype run under (the reason follows, after a colon): `precision_report`
+# reads both.
+FP8_SCOPE = "eqx_amp.fp8"
+FP8_SKIPPED_SCOPE = "eqx_amp.fp8_skipped"
+
+
+def free_axes(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> list[int]:
+    return [i for i in range(ndim) if i not in contracting and i not in batch]
+
+
+def _laid_out(scale: Array, axis_map: dict[int, int], ndim: int) -> Array:
+    """A scale (its axes outside `axis_map` of size 1) laid out for an array of `ndim`
+    axes: its axis `a` becomes axis `axis_map[a]`, the others size 1."""
+    src = sorted(axis_map)
+    values = scale.reshape([scale.shape[a] for a in src])
+    values = jnp.transpose(
+        values, sorted(range(len(src)), key=lambda i: axis_map[src[i]])
+    )
+    shape = [1] * ndim
+    for a in src:
+        shape[axis_map[a]] = scale.shape[a]
+    return values.reshape(shape)
+
+
+def _output_axes(dims, lhs_ndim: int, rhs_ndim: int):
+    """The output axes of `dot_general` (batch, lhs free, rhs free) that each
+    operand's batch and free axes become."""
+    (lc, rc), (lb, rb) = dims
+    lf, rf = free_axes(lhs_ndim, lc, lb), free_axes(rhs_ndim, rc, rb)
+    nb, nlf = len(lb), len(lf)
+    lhs_map = {
+        **{a: i for i, a in enumerate(lb)},
+        **{a: nb + j for j, a in enumerate(lf)},
+    }
+    rhs_map = {
+        **{a: i for i, a in enumerate(rb)},
+        **{a: nb + nlf + j for j, a in enumerate(rf)},
+    }
+    return lhs_map, rhs_map
+
+
+@jax.named_scope(FP8_SCOPE)
+def _fp8_forward(lhs, rhs, dims, scaling, out_dtype):
+    (lc, rc), _ = dims
+    if scaling == "tensorwise":
+        l_axes, r_axes = tuple(range(lhs.ndim)), tuple(range(rhs.ndim))
+    else:  # one scale per row: per output element of the other dims
+        l_axes, r_axes = tuple(lc), tuple(rc)
+    ql, sl = quantize(lhs, E4M3, l_axes)
+    qr, sr = quantize(rhs, E4M3, r_axes)
+    out = _fp8_product(ql, qr, dims)
+    lhs_map, rhs_map = _output_axes(dims, lhs.ndim, rhs.ndim)
+    out = unscale(
+        out,
+        _laid_out(1.0 / sl, lhs_map, out.ndim),
+        _laid_out(1.0 / sr, rhs_map, out.ndim),
+    )
+    if scaling == "tensorwise":
+        residuals = (ql, sl, qr, sr)  # fp8 operands and float32 scales: 1 byte a value
+    else:
+        # The backward products contract other axes, so they need other rows'
+        # scales: the operands are quantised again there (torchao's rowwise recipe).
+        residuals = (lhs, rhs)
+    return out.astype(out_dtype), residuals
+
+
+def _fp8_product(lhs: Array, rhs: Array, dims) -> Array:
+    """The product of two fp8 arrays, accumulated in float32. The dot reads the fp8
+    arrays themselves: with conversions up in front of it, XLA may merge dots that
+    share an operand (a layer's q, k, v projections) into one that reads a
+    concatenation of the conversions, and drop the fp8 round trip as excess
+    precision: a float32 GEMM on an H100 (`--preset h100-aot` shows both)."""
+    return lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
+
+
+def _operand_cotangent(
+    cotangent: Array, other: Array, dims, ndim: int, of_lhs: bool
+) -> Array:
+    """The cotangent of one operand of `dot_general(lhs, rhs, dims)` (of `ndim`
+    axes) from the output's: the output cotangent contracted with `other` over
+    other's free axes, as one fp8 product, then laid out as the operand."""
+    (lc, rc), (lb, rb) = dims
+    own, others = ((lc, lb), (rc, rb)) if of_lhs else ((rc, rb), (lc, lb))
+    (contracting, batch), (other_contracting, other_batch) = own, others
+    own_free = free_axes(ndim, contracting, batch)
+    other_free = free_axes(other.ndim, other_contracting, other_batch)
+    # The output's axes: batch, then lhs free, then rhs free.
+    first = len(batch) + (len(own_free) if of_lhs else 0)
+    product = _fp8_product(
+        cotangent,
+        other,
+        (
+            (tuple(range(first, first + len(other_free))), tuple(other_free)),
+            (tuple(range(len(batch))), tuple(other_batch)),
+        ),
+    )
+    # The product's axes: batch, the operand's free axes, then other's contracting
+    # axes in increasing order, each standing for the operand axis it contracted.
+    ranks = sorted(other_contracting)
+    after = len(batch) + len(own_free)
+    source = {
+        **{a: i for i, a in enumerate(batch)},
+        **{a: len(batch) + j for j, a in enumerate(own_free)},
+        **{a: after + ranks.index(o) for a, o in zip(contracting, other_contracting)},
+    }
+    return jnp.transpose(product, [source[a] for a in range(ndim)])
+
+
+_HIGHER_ORDER = (
+    "fp8 matmuls and convolutions (`eqx_amp.fp8.dot_general`, the fp8 rules, "
+    "`fp8=`) have first-order derivatives only: differentiating their backward pass "
+    "again (a Hessian, a Hessian-vector product, `jax.jvp` of a gradient) would round "
+    "the second-order terms to fp8 without scales. Keep the products such a "
+    "derivative goes through out of fp8 (an `fp8_filter`, or a scope rule "
+    "`eqx_amp.LOW`), or differentiate once."
+)
+
+
+@jax.custom_jvp
+def _first_order_only(values: Any) -> Any:
+    """The identity, whose derivative is refused: around a backward pass's inputs,
+    it makes differentiating that pass an error rather than a wrong number."""
+    return values
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+    del primals, tangents
+    raise NotImplementedError(_HIGHER_ORDER)
+
+
+def _transposed(linear: Any, like: Any, cotangent: Array) -> Array:
+    """The transpose of the linear `linear` (a product with its other operand held)
+    at `cotangent`, in the cotangent's dtype, with no forward product (`jax.vjp`
+    would add a dead one)."""
+    aval = jax.ShapeDtypeStruct(like.shape, cotangent.dtype)
+    return jax.linear_transpose(linear, aval)(cotangent)[0]
+
+
+def fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype):
+    """The fp8 matmul for one set of static arguments, with its derivative rule."""
+    (lc, rc), (lb, rb) = dims
+
+    @jax.custom_vjp
+    def matmul(lhs, rhs):
+        return _fp8_forward(lhs, rhs, dims, scaling, out_dtype)[0]
+
+    def forward(lhs, rhs):
+        return _fp8_forward(lhs, rhs, dims, scaling, out_dtype)
+
+    @jax.named_scope(FP8_SCOPE)
+    def backward(residuals, cotangent):
+        residuals, cotangent = _first_order_only((residuals, cotangent))
+        if scaling == "tensorwise":
+            # Scalar scales come out of the products: fp8 x fp8 GEMMs.
+            ql, sl, qr, sr = residuals
+            qg, sg = quantize(cotangent, E5M2, tuple(range(cotangent.ndim)))
+            dlhs = _operand_cotangent(qg, qr, dims, ql.ndim, of_lhs=True)
+            drhs = _operand_cotangent(qg, ql, dims, qr.ndim, of_lhs=False)
+            inverse_g = 1.0 / sg.reshape(())
+            dlhs = unscale(dlhs, inverse_g, 1.0 / sr.reshape(()))
+            drhs = unscale(drhs, inverse_g, 1.0 / sl.reshape(()))
+            return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype)
+        # Rowwise: each product's operands are quantised per row of that product
+        # (amax over the axes it contracts), so that both scales come out of it.
+        lhs, rhs = residuals
+        lhs_free, rhs_free = free_axes(lhs.ndim, lc, lb), free_axes(rhs.ndim, rc, rb)
+        lhs_map, rhs_map = _output_axes(dims, lhs.ndim, rhs.ndim)
+        # d lhs = g . rhs, contracting the rhs free axes.
+        qg, sg = quantize(cotangent, E5M2, tuple(rhs_map[a] for a in rhs_free))
+        qr, sr = quantize(rhs, E4M3, tuple(rhs_free))
+        dlhs = _operand_cotangent(qg, qr, dims, lhs.ndim, of_lhs=True)
+        dlhs = unscale(
+            dlhs,
+            _laid_out(1.0 / sg, {out: a for a, out in lhs_map.items()}, lhs.ndim),
+            _laid_out(1.0 / sr, {**dict(zip(rb, lb)), **dict(zip(rc, lc))}, lhs.ndim),
+        )
+        # d rhs = lhs . g, contracting the lhs free axes.
+        qg, sg = quantize(cotangent, E5M2, tuple(lhs_map[a] for a in lhs_free))
+        ql, sl = quantize(lhs, E4M3, tuple(lhs_free))
+        drhs = _operand_cotangent(qg, ql, dims, rhs.ndim, of_lhs=False)
+        drhs = unscale(
+            drhs,
+            _laid_out(1.0 / sg, {out: a for a, out in rhs_map.items()}, rhs.ndim),
+            _laid_out(1.0 / sl, {**dict(zip(lb, rb)), **dict(zip(lc, rc))}, rhs.ndim),
+        )
+        return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype)
+
+    matmul.defvjp(forward, backward)
+    return matmul
+
+
+def _conv32(lhs: Array, rhs: Array, params: dict) -> Array:
+    """A convolution of fp8 values read as float32 (exactly) and accumulated in it:
+    what XLA makes an fp8 cuDNN convolution of."""
+    return lax.conv_general_dilated_p.bind(
+        lhs.astype(jnp.float32),
+        rhs.astype(jnp.float32),
+        **dict(params, preferred_element_type=jnp.float32),
+    )
+
+
+def _conv16(lhs: Array, rhs: Array, params: dict) -> Array:
+    """A bfloat16 convolution (float32 accumulation, bfloat16 output)."""
+    return lax.conv_general_dilated_p.bind(
+        lhs, rhs, **dict(params, preferred_element_type=None)
+    )
+
+
+# Why the backward convolutions of an fp8 convolution are not fp8: the named scope
+# they run under, which `precision_report` reads.
+_CONV_BACKWARD_SCOPE = (
+    f"{FP8_SKIPPED_SCOPE}: backward convolution (cuDNN has fp8 forward convolutions "
+    "only; it reads bfloat16 copies of the fp8 values)"
+)
+
+
+def fp8_conv(params: dict, out_dtype, lhs_dtype, rhs_dtype):
+    """A convolution in fp8 (tensorwise scales, which come out of the sums), with
+    the derivative rule of `_fp8_matmul`."""
+    conv32 = ft.partial(_conv32, params=params)
+    conv16 = ft.partial(_conv16, params=params)
+
+    @jax.named_scope(FP8_SCOPE)
+    def forward(lhs, rhs):
+        ql, sl = quantize(lhs, E4M3, tuple(range(lhs.ndim)))
+        qr, sr = quantize(rhs, E4M3, tuple(range(rhs.ndim)))
+        out = unscale(conv32(ql, qr), 1.0 / sl.reshape(()), 1.0 / sr.reshape(()))
+        return out.astype(out_dtype), (ql, sl, qr, sr)
+
+    @jax.custom_vjp
+    def conv(lhs, rhs):
+        return forward(lhs, rhs)[0]
+
+    @jax.named_scope(FP8_SCOPE)
+    def backward(residuals, cotangent):
+        (ql, sl, qr, sr), cotangent = _first_order_only((residuals, cotangent))
+        qg, sg = quantize(cotangent, E5M2, tuple(range(cotangent.ndim)))
+        with jax.named_scope(_CONV_BACKWARD_SCOPE):
+            lhs16, rhs16 = ql.astype(jnp.bfloat16), qr.astype(jnp.bfloat16)
+            g16 = qg.astype(jnp.bfloat16)
+            dlhs = _transposed(lambda x: conv16(x, rhs16), ql, g16)
+            drhs = _transposed(lambda y: conv16(lhs16, y), qr, g16)
+            dlhs, drhs = dlhs.astype(jnp.float32), drhs.astype(jnp.float32)
+        inverse_g = 1.0 / sg.reshape(())
+        dlhs = unscale(dlhs, inverse_g, 1.0 / sr.reshape(()))
+        drhs = unscale(drhs, inverse_g, 1.0 / sl.reshape(()))
+        return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype)
+
+    conv.defvjp(forward, backward)
+    return conv

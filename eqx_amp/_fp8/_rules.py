@@ -1,0 +1,297 @@
+"""Where fp8 products run: the fp8 rules (`eqx_amp.fp8.TENSORWISE`, `ROWWISE`), the
+shapes an fp8 kernel takes, `eqx_amp.fp8.dot_general`, and the hooks that rebind a
+program's matmuls and convolutions as fp8 ones."""
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array
+
+from .._core._cast import floating_dtype
+from .._jaxpr import _compat as compat
+from .._jaxpr._evaluate import batched_like, evaluate_function
+from .._jaxpr._hook import Hook, Origin
+from ._products import FP8_SKIPPED_SCOPE, fp8_conv, fp8_matmul, free_axes
+
+
+# fp8 GEMMs (cuBLASLt on Hopper) need every dimension to be a multiple of 16.
+FP8_MULTIPLE = 16
+Scaling = Literal["tensorwise", "rowwise"]
+_SCALINGS = ("tensorwise", "rowwise")
+
+
+class Fp8Rule:
+    """`eqx_amp.fp8.TENSORWISE` and `ROWWISE`: `dot_general` runs as an fp8 matmul with current
+    scaling (`eqx_amp.fp8.dot_general`) from operands cast to the compute dtype,
+    where its shapes allow an fp8 GEMM (every dimension a multiple of 16), and
+    `conv_general_dilated` as an fp8 convolution (tensorwise, feature counts
+    multiples of 16); the others stay in the compute dtype, and `precision_report`
+    says why. Other ops under an fp8 scope rule follow their own primitive's rule."""
+
+    def __init__(self, name: str, scaling: str):
+        self.name = name
+        self.scaling = scaling
+        self.__doc__ = Fp8Rule.__doc__
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(
+            f"eqx_amp.fp8.{self.name} is applied by `autocast` itself (it rebinds the "
+            "matmul); it cannot be called as a rule function."
+        )
+
+    def run_in_fp8(
+        self, fn: Callable, args: tuple, kwargs: dict, params: list[Any]
+    ) -> Any:
+        """`fn(*args, **kwargs)` with each matmul that reads one of `params` run as
+        an fp8 matmul where its shapes allow one (`filter_amp(..., fp8=...)`, which
+        reaches fp8 through this method rather than importing it)."""
+        return evaluate_function(
+            _call, (fn, args, kwargs), Fp8ParamsHook(self.scaling), param_arrays=params
+        )
+
+    def __repr__(self) -> str:
+        return f"eqx_amp.fp8.{self.name}"
+
+    def __reduce__(self):
+        return self.name
+
+
+TENSORWISE = Fp8Rule("TENSORWISE", "tensorwise")
+ROWWISE = Fp8Rule("ROWWISE", "rowwise")
+
+
+def conv_in_fp8(lhs, rhs, params: dict, out_dtype, only_eligible: bool) -> Array:
+    """A convolution in fp8 (tensorwise); with `only_eligible`, one whose feature
+    counts an fp8 kernel cannot take runs in `out_dtype`, under a named scope that
+    gives the reason. Under `jax.vmap` the batched convolution decides."""
+    params = {k: v for k, v in params.items() if k != "preferred_element_type"}
+    if compat.is_batched(lhs) or compat.is_batched(rhs):
+        return _batched_as_one(
+            lax.conv_general_dilated_p, params, "tensorwise", out_dtype, only_eligible
+        )(lhs, rhs)
+    reason = fp8_conv_eligible(rhs.shape, params) if only_eligible else None
+    if reason is not None:
+        with jax.named_scope(f"{FP8_SKIPPED_SCOPE}: {reason}"):
+            return lax.conv_general_dilated_p.bind(
+                lhs.astype(out_dtype),
+                rhs.astype(out_dtype),
+                **params,
+                preferred_element_type=None,
+            )
+    lhs_dtype, rhs_dtype = jnp.result_type(lhs), jnp.result_type(rhs)
+    return fp8_conv(params, out_dtype, lhs_dtype, rhs_dtype)(lhs, rhs)
+
+
+def fp8_conv_eligible(rhs_shape, params: dict) -> str | None:
+    """Why a convolution with this kernel cannot run in fp8, or `None`: its input
+    and output feature counts must be multiples of 16."""
+    rhs_spec = params["dimension_numbers"].rhs_spec
+    sizes = {
+        "output features": rhs_shape[rhs_spec[0]],
+        "input features": rhs_shape[rhs_spec[1]],
+    }
+    bad = [f"{name} {n}" for name, n in sizes.items() if n % FP8_MULTIPLE]
+    if bad:
+        return f"{', '.join(bad)} not a multiple of {FP8_MULTIPLE}"
+    return None
+
+
+class _Fp8Dots(Hook):
+    """Binds every `dot_general` and convolution of a program as an fp8 one (where
+    its shapes allow, if `only_eligible`)."""
+
+    def __init__(self, scaling, out_dtype, only_eligible):
+        self.scaling, self.out_dtype = scaling, out_dtype
+        self.only_eligible = only_eligible
+
+    def equation(self, eqn, invals, origins, frame, evaluate):
+        if eqn.primitive in FP8_PRIMITIVES:
+            return [
+                product_in_fp8(
+                    eqn,
+                    *invals,
+                    scaling=self.scaling,
+                    out_dtype=self.out_dtype,
+                    only_eligible=self.only_eligible,
+                )
+            ]
+        return evaluate(invals)
+
+
+# The primitives fp8 rules and filters turn into fp8 products.
+FP8_PRIMITIVES = frozenset({lax.dot_general_p, lax.conv_general_dilated_p})
+
+
+def product_in_fp8(eqn, lhs, rhs, scaling, out_dtype, only_eligible) -> Array:
+    """`eqn` (a `dot_general` or a convolution) on `lhs`, `rhs` in fp8; convolutions
+    are scaled tensorwise."""
+    if eqn.primitive is lax.conv_general_dilated_p:
+        return conv_in_fp8(lhs, rhs, eqn.params, out_dtype, only_eligible)
+    dims = eqn.params["dimension_numbers"]
+    return matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible)
+
+
+def matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible: bool) -> Array:
+    """An fp8 matmul; with `only_eligible`, shapes an fp8 GEMM cannot take run in
+    `out_dtype` instead, under a named scope that gives the reason. Under
+    `jax.vmap` the shapes decided on are the batched ones."""
+    (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dims
+    dims = (
+        (tuple(lhs_contracting), tuple(rhs_contracting)),
+        (tuple(lhs_batch), tuple(rhs_batch)),
+    )
+    if compat.is_batched(lhs) or compat.is_batched(rhs):
+        params = {"dimension_numbers": dims}
+        return _batched_as_one(
+            lax.dot_general_p, params, scaling, out_dtype, only_eligible
+        )(lhs, rhs)
+    reason = fp8_eligible(lhs.shape, rhs.shape, dims) if only_eligible else None
+    if reason is not None:
+        with jax.named_scope(f"{FP8_SKIPPED_SCOPE}: {reason}"):
+            return lax.dot_general(lhs.astype(out_dtype), rhs.astype(out_dtype), dims)
+    lhs_dtype, rhs_dtype = jnp.result_type(lhs), jnp.result_type(rhs)
+    return fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype)(lhs, rhs)
+
+
+def dot_general(
+    lhs: Array,
+    rhs: Array,
+    dimension_numbers: Any,
+    *,
+    scaling: Scaling = "tensorwise",
+    out_dtype: Any = None,
+) -> Array:
+    """`lax.dot_general` in fp8, with current scaling.
+
+    The operands are quantised to `float8_e4m3fn` with float32 scales from their
+    absolute maximum (over the whole tensor, or per row with `scaling="rowwise"`:
+    one scale per index of the non-contracting axes), multiplied with float32
+    accumulation, and the result is unscaled and returned in `out_dtype`. In the
+    backward pass the output gradient is quantised to `float8_e5m2` and multiplied
+    with the fp8 operands (tensorwise: the saved ones; rowwise: both quantised
+    again per row of each backward product, so that every scale comes out of it).
+    Scales are at most 2**126 (tiny and zero tensors stay finite) and come from the
+    finite values: an inf or NaN element gives non-finite outputs where float32
+    would. First-order derivatives only: differentiating the backward pass again
+    raises `NotImplementedError`. Under `jax.vmap` the scales cover the whole
+    batch, as for the batched matmul; under GSPMD their amax is reduced across
+    devices.
+
+    **Arguments:**
+
+    - `lhs`, `rhs`, `dimension_numbers`: as for `jax.lax.dot_general`.
+    - `scaling`: `"tensorwise"` (one scale per operand) or `"rowwise"`.
+    - `out_dtype`: the output (and backward compute) dtype, a floating dtype of 16
+        bits or more or one of the package's words (`"bf16"`); `None` means the
+        wider of the operands' dtypes (bfloat16 for bfloat16 operands).
+
+    **Returns:**
+
+    The product, of `out_dtype`.
+
+    **Example:**
+
+    ```python
+    y = eqx_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ())), out_dtype=jnp.bfloat16)
+    ```
+    """
+    if scaling not in _SCALINGS:
+        raise ValueError(
+            f"`scaling` must be 'tensorwise' or 'rowwise', not {scaling!r}."
+        )
+    for name, operand in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(jnp.result_type(operand), jnp.floating):
+            raise TypeError(
+                f"`eqx_amp.fp8.dot_general` multiplies floating arrays, but `{name}` is "
+                f"{jnp.result_type(operand)}."
+            )
+    if out_dtype is None:
+        with jax.numpy_dtype_promotion("standard"):
+            out_dtype = jnp.result_type(lhs, rhs)
+    # Refuses integer and complex dtypes (a product would be truncated or get a
+    # zero imaginary part), and takes the package's words ("bf16").
+    out_dtype = floating_dtype(out_dtype, "out_dtype")
+    if out_dtype.itemsize < 2:
+        raise ValueError(
+            f"`out_dtype` must be bfloat16, float16 or wider, not {out_dtype.name}: "
+            "the product is accumulated in float32 and returned in it."
+        )
+    return matmul_in_fp8(lhs, rhs, dimension_numbers, scaling, out_dtype, False)
+
+
+def _batched_as_one(primitive, params, scaling, out_dtype, only_eligible):
+    """Under `jax.vmap`, the batched product is one fp8 product: its scales cover
+    the whole batch."""
+
+    def plain(lhs, rhs):
+        if primitive is lax.conv_general_dilated_p:
+            return primitive.bind(lhs, rhs, **params, preferred_element_type=None)
+        return lax.dot_general(lhs, rhs, params["dimension_numbers"])
+
+    def op(lhs, rhs):
+        if primitive is lax.conv_general_dilated_p:
+            return conv_in_fp8(lhs, rhs, params, out_dtype, only_eligible)
+        dims = params["dimension_numbers"]
+        return matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible)
+
+    return batched_like(plain, op, _Fp8Dots(scaling, out_dtype, only_eligible))
+
+
+def fp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:
+    """Why a matmul of these shapes cannot run as an fp8 GEMM, or `None` if it can:
+    every dimension must be a multiple of 16."""
+    (lc, rc), (lb, rb) = dims
+    sizes = {
+        "contracting": int(np.prod([lhs_shape[i] for i in lc], dtype=np.int64)),
+        "lhs free": int(
+            np.prod(
+                [lhs_shape[i] for i in free_axes(len(lhs_shape), lc, lb)],
+                dtype=np.int64,
+            )
+        ),
+        "rhs free": int(
+            np.prod(
+                [rhs_shape[i] for i in free_axes(len(rhs_shape), rc, rb)],
+                dtype=np.int64,
+            )
+        ),
+    }
+    bad = [f"{name} size {n}" for name, n in sizes.items() if n % FP8_MULTIPLE]
+    if bad:
+        return f"{', '.join(bad)} not a multiple of {FP8_MULTIPLE}"
+    return None
+
+
+class Fp8ParamsHook(Hook):
+    """Runs a program unchanged, except that each `dot_general` reading a parameter
+    (an array of the modules the fp8 filter selected) runs as an fp8 matmul where
+    its shapes allow one (`filter_amp(..., fp8=eqx_amp.fp8.TENSORWISE)`)."""
+
+    def __init__(self, scaling: str):
+        self.scaling = scaling
+
+    def equation(self, eqn, invals, origins, frame, evaluate):
+        reads_params = any(
+            origin is Origin.PARAMS and jnp.issubdtype(jnp.result_type(v), jnp.floating)
+            for v, origin in zip(invals, origins)
+        )
+        if eqn.primitive in FP8_PRIMITIVES and reads_params:
+            out_dtype = eqn.outvars[0].aval.dtype
+            return [
+                product_in_fp8(
+                    eqn,
+                    *invals,
+                    scaling=self.scaling,
+                    out_dtype=out_dtype,
+                    only_eligible=True,
+                )
+            ]
+        return evaluate(invals)
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    return fn(*args, **kwargs)

@@ -1,0 +1,55 @@
+"""fp8 scales: from a tensor's finite absolute maximum, bounded so that neither a
+scale nor its inverse leaves float32's normal range."""
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+E5M2 = jnp.dtype(jnp.float8_e5m2)
+
+# The largest scale: its inverse, 2**-126, is float32's smallest normal, so unscaling
+# never goes through float32 subnormals (which some backends flush), and a float32
+# normal scaled by it (>= 1) is still a normal fp8 value (e4m3's smallest is 2**-6).
+MAX_SCALE = 2.0**126
+
+
+def _scale(x: Array, dtype: np.dtype, axes: tuple[int, ...]) -> Array:
+    """float32 scale mapping the largest finite magnitude of `x` over `axes` (kept as
+    size-1 axes) to the largest finite value of `dtype`, at most `MAX_SCALE` (an
+    all-zero or tiny slice). inf and NaN elements do not set it: they stay
+    non-finite through the product, as they would in float32."""
+    magnitude = jnp.abs(x.astype(jnp.float32))
+    finite = jnp.where(jnp.isfinite(magnitude), magnitude, 0.0)
+    amax = jnp.max(finite, axis=axes, keepdims=True, initial=0.0)
+    largest = float(jnp.finfo(dtype).max)
+    # Dividing by at least `largest / MAX_SCALE` cannot overflow: no inf scale,
+    # whose `0 * inf` would make the whole product NaN.
+    return largest / jnp.maximum(amax, largest / MAX_SCALE)
+
+
+def quantize(x: Array, dtype: np.dtype, axes: tuple[int, ...]) -> tuple[Array, Array]:
+    scale = _scale(x, dtype, axes)
+    largest = float(jnp.finfo(dtype).max)
+    scaled = x.astype(jnp.float32) * scale
+    # Rounding can step just past the largest finite value, which e4m3fn would make
+    # NaN; inf and NaN pass on (inf becomes NaN in e4m3fn, which has no inf).
+    clipped = jnp.clip(scaled, -largest, largest)
+    scaled = jnp.where(jnp.isfinite(scaled), clipped, scaled)
+    return scaled.astype(dtype), scale
+
+
+def unscale(product: Array, inverse_a: Array, inverse_b: Array) -> Array:
+    """`product * inverse_a * inverse_b` (positive inverse scales, broadcast to the
+    product) without leaving float32's range on the way: the two inverses as one
+    factor where that is a normal float32, otherwise the larger one first, whose
+    product can only overflow (or the smaller's underflow) where the result does."""
+    f32 = jnp.finfo(jnp.float32)
+    both = inverse_a * inverse_b
+    in_range = (both >= f32.tiny) & (both <= f32.max)
+    larger, smaller = (
+        jnp.maximum(inverse_a, inverse_b),
+        jnp.minimum(inverse_a, inverse_b),
+    )
+    return jnp.where(in_range, product * both, product * larger * smaller)

@@ -1,0 +1,121 @@
+"""benchmarks/_gpu_hlo.py on canned H100 HLO text (the forms XLA 0.10's GPU compiler
+prints): cuBLAS and cuBLASLt fp8 calls, cuDNN convolutions, Triton GEMM fusions whose
+dots read parameters bound to conversions from fp8, a merged GEMM that reads a float32
+concatenation inside the fp8 scope (the defect `--preset h100-aot` found), the
+skipped scope, fusions and converts. No GPU or CUDA plugin is needed."""
+
+import pathlib
+import sys
+
+import pytest
+
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+import _gpu_hlo  # noqa: E402
+
+
+HLO = """\
+HloModule jit_step, entry_computation_layout={(f32[128,128]{1,0})->f32[64,128]{1,0}}
+
+%fused_convert (param_0.1: f32[64,128]) -> f8e4m3fn[64,128] {
+  %param_0.1 = f32[64,128]{1,0} parameter(0)
+  ROOT %convert.1 = f8e4m3fn[64,128]{1,0} convert(%param_0.1), metadata={op_name="jit(step)/eqx_amp.fp8/convert_element_type"}
+}
+
+%gemm_fusion_dot.7_computation (parameter_0: f8e5m2[64,128], parameter_1: f8e4m3fn[128,128]) -> f32[64,128] {
+  %parameter_0 = f8e5m2[64,128]{1,0} parameter(0)
+  %convert.2 = f32[64,128]{1,0} convert(%parameter_0)
+  %parameter_1 = f8e4m3fn[128,128]{1,0} parameter(1)
+  %convert.3 = f32[128,128]{1,0} convert(%parameter_1)
+  ROOT %dot.7 = f32[64,128]{1,0} dot(%convert.2, %convert.3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%gemm_fusion_dot.8_computation (parameter_0.8: bf16[64,128], parameter_1.8: bf16[128,128]) -> bf16[64,128] {
+  %parameter_0.8 = bf16[64,128]{1,0} parameter(0)
+  %parameter_1.8 = bf16[128,128]{1,0} parameter(1)
+  ROOT %dot.8 = bf16[64,128]{1,0} dot(%parameter_0.8, %parameter_1.8), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main.1 (x.1: f32[64,128], w.1: f32[128,128], g.1: f8e5m2[64,128], h.1: bf16[64,128], k.1: bf16[128,128], c.1: f32[384,128]) -> f32[64,128] {
+  %x.1 = f32[64,128]{1,0} parameter(0), metadata={op_name="x"}
+  %w.1 = f32[128,128]{1,0} parameter(1), metadata={op_name="w"}
+  %g.1 = f8e5m2[64,128]{1,0} parameter(2)
+  %h.1 = bf16[64,128]{1,0} parameter(3)
+  %k.1 = bf16[128,128]{1,0} parameter(4)
+  %c.1 = f32[384,128]{1,0} parameter(5)
+  %loop_convert_fusion = f8e4m3fn[64,128]{1,0} fusion(%x.1), kind=kLoop, calls=%fused_convert, metadata={op_name="jit(step)/eqx_amp.fp8/convert_element_type"}
+  %wq = f8e4m3fn[128,128]{1,0} convert(%w.1), metadata={op_name="jit(step)/eqx_amp.fp8/convert_element_type"}
+  %cublas-gemm.1 = (f32[64,128]{1,0}, s8[4194304]{0}) custom-call(%loop_convert_fusion, %wq, /*index=2*/%x.1, %x.1), custom_call_target="__cublas$lt$matmul$f8", metadata={op_name="jit(step)/jvp(vmap(eqx_amp.fp8))/dot_general" scheduling_name="cublas-gemm.1"}, backend_config={"gemm_backend_config":{"scale_mode":1}}
+  %custom-call.2 = (f32[64,384]{1,0}, s8[4194304]{0}) custom-call(%x.1, %c.1), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(step)/jvp(eqx.nn.MultiheadAttention)/vmap(eqx.nn.Linear)/vmap(eqx_amp.fp8)/dot_general"}
+  %gemm_fusion_dot.7 = f32[64,128]{1,0} fusion(%g.1, %wq), kind=kCustom, calls=%gemm_fusion_dot.7_computation, metadata={op_name="jit(step)/transpose(jvp(eqx_amp.fp8))/dot_general"}, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %gemm_fusion_dot.8 = bf16[64,128]{1,0} fusion(%h.1, %k.1), kind=kCustom, calls=%gemm_fusion_dot.8_computation, metadata={op_name="jit(step)/vmap(eqx.nn.Linear)/dot_general"}, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %cudnn-conv.1 = (f32[8,16,16,16]{3,2,1,0}, u8[0]{0}) custom-call(%loop_convert_fusion, %wq), window={size=3x3}, custom_call_target="__cudnn$convForwardGraph", metadata={op_name="jit(step)/eqx_amp.fp8/conv_general_dilated"}
+  %cudnn-conv.2 = (bf16[8,16,16,16]{3,2,1,0}, u8[0]{0}) custom-call(%h.1, %k.1), window={size=3x3}, custom_call_target="__cudnn$convBackwardInput", metadata={op_name="jit(step)/transpose(eqx_amp.fp8)/eqx_amp.fp8_skipped: backward convolution (cuDNN has fp8 forward convolutions only)/conv_general_dilated"}
+  %cudnn-conv.3 = (f32[8,16,16,16]{3,2,1,0}, u8[0]{0}) custom-call(%x.1, %w.1), window={size=3x3}, custom_call_target="__cudnn$convBackwardFilter", metadata={op_name="jit(step)/conv_general_dilated"}
+  %gte = f32[64,128]{1,0} get-tuple-element(%cublas-gemm.1), index=0
+  ROOT %add.1 = f32[64,128]{1,0} add(%gte, %gemm_fusion_dot.7)
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def found():
+    return _gpu_hlo.products(HLO)
+
+
+def test_every_product_is_found_with_what_it_reads(found):
+    by_call = {(p.call, p.reads) for p in found}
+    assert by_call == {
+        ("__cublas$lt$matmul$f8", ("f8e4m3fn", "f8e4m3fn")),
+        ("__cublas$lt$matmul", ("f32", "f32")),
+        # The Triton dot reads conversions up: what it multiplies is fp8.
+        ("__triton_nested_gemm_fusion", ("f8e5m2", "f8e4m3fn")),
+        ("__triton_gemm", ("bf16", "bf16")),
+        ("__cudnn$convForwardGraph", ("f8e4m3fn", "f8e4m3fn")),
+        ("__cudnn$convBackwardInput", ("bf16", "bf16")),
+        ("__cudnn$convBackwardFilter", ("f32", "f32")),
+    }
+
+
+def test_fp8_products_and_the_fp8_scope(found):
+    fp8 = {p.call for p in found if p.fp8}
+    assert fp8 == {
+        "__cublas$lt$matmul$f8",
+        "__triton_nested_gemm_fusion",
+        "__cudnn$convForwardGraph",
+    }
+    asked = {p.call for p in found if p.asked_for_fp8}
+    # The skipped scope (`eqx_amp.fp8_skipped: ...`) and unscoped products are not.
+    assert asked == fp8 | {"__cublas$lt$matmul"}
+    (missing,) = _gpu_hlo.not_fp8(found)
+    assert missing.call == "__cublas$lt$matmul"
+    assert "MultiheadAttention" in missing.op_name
+
+
+def test_summary_counts_by_kind_and_dtype(found):
+    assert _gpu_hlo.summary(found) == {
+        "cublas f32": 1,
+        "cublas-fp8": 1,
+        "cudnn bf16": 1,
+        "cudnn f32": 1,
+        "cudnn-fp8": 1,
+        "triton bf16 x bf16": 1,
+        "triton f8e5m2 x f8e4m3fn": 1,
+    }
+
+
+def test_kernels_count_launched_fusions_and_every_convert():
+    # Three fusions in the entry computation; converts inside fusions count too.
+    assert _gpu_hlo.kernels(HLO) == {"fusions": 3, "converts": 4}
+
+
+def test_an_empty_or_foreign_text_has_no_products():
+    assert _gpu_hlo.products("") == []
+    assert _gpu_hlo.kernels("not hlo at all") == {"fusions": 0, "converts": 0}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bits"), [("f8e4m3fn", 8), ("f8e5m2", 8), ("bf16", 16), ("f32", 32)]
+)
+def test_bits(dtype, bits):
+    assert _gpu_hlo._bits(dtype) == bits

@@ -1,0 +1,138 @@
+"""What XLA makes of each fp8 road and each bfloat16 road on an H100, compiled without
+one (benchmarks/h100_aot.py). Needs the CUDA plugin, not a GPU:
+`pip install "jax[cuda12]==<jax version>"` (`.ci/run` does, in its own environment).
+
+- every fp8 product eqx_amp asks for (forward and both backward products,
+  tensorwise and rowwise, matmuls and forward convolutions; `eqx_amp.fp8.dot_general`
+  by hand, the autocast rules, `filter_amp(fp8=)`, `BiModel(fp8=)`) is cuBLASLt's
+  fp8 GEMM or a cuDNN fp8 convolution with Triton GEMMs off;
+- the bfloat16 roads (`filter_amp`, `autocast`, `BiModel`) compile to the GEMM and
+  convolution kinds of the hand-cast step.
+"""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("jax_cuda12_plugin") is None,
+        reason='the CUDA plugin is not installed (pip install "jax[cuda12]==<jax>")',
+    ),
+]
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+BF16_ROADS = ("filter_amp_bf16", "autocast_bf16", "bimodel_bf16")
+FP8_ROADS = ("autocast_fp8", "autocast_fp8_rowwise", "filter_amp_fp8", "bimodel_fp8")
+
+# Run in a fresh interpreter: the CUDA plugin must learn that there is no GPU before
+# JAX starts its backends, which pytest's process has done.
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = [sys.argv[1], sys.argv[1] + "/.."]
+    import h100_aot
+    sharding = h100_aot.h100_sharding()
+    import jax, jax.numpy as jnp
+    import _gpu_hlo
+    import eqx_amp
+
+    def by_hand(scaling, conv):
+        def step(x, w):
+            if conv:
+                f = lambda x, w: eqx_amp.autocast(
+                    lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME"),
+                    rules={jax.lax.conv_general_dilated_p: eqx_amp.fp8.TENSORWISE},
+                )(x, w)
+            else:
+                f = lambda x, w: eqx_amp.fp8.dot_general(
+                    x, w, (((1,), (0,)), ((), ())), scaling=scaling
+                )
+            y, vjp = jax.vjp(f, x, w)
+            return y, vjp(y)
+        if conv:
+            args = (jnp.zeros((8, 32, 16, 16), jnp.bfloat16),
+                    jnp.zeros((32, 32, 3, 3), jnp.bfloat16))
+        else:
+            args = (jnp.zeros((256, 512), jnp.bfloat16),
+                    jnp.zeros((512, 128), jnp.bfloat16))
+        compiled = h100_aot.compile_for_h100(
+            step, *args, sharding=sharding, triton_gemm=False
+        )
+        return h100_aot.analyse(compiled)
+
+    out = {
+        "by_hand": {
+            "tensorwise": by_hand("tensorwise", False),
+            "rowwise": by_hand("rowwise", False),
+            "conv": by_hand(None, True),
+        },
+        "models": {
+            model: {
+                v: h100_aot.compile_variant(model, v, "cpu", sharding)
+                for v in sys.argv[2].split(",")
+            }
+            for model in ("gpt", "cnn")
+        },
+    }
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    variants = ",".join(("hand_bf16", *BF16_ROADS, *FP8_ROADS))
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(BENCHMARKS), variants],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (line,) = [x for x in run.stdout.splitlines() if x.startswith("RESULT")]
+    return json.loads(line[len("RESULT") :])
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_an_fp8_matmul_and_both_its_backward_products_are_fp8_gemms(compiled, scaling):
+    result = compiled["by_hand"][scaling]
+    assert result["products"] == {"cublas-fp8": 3}
+    assert result["asked_for_fp8"] == 3 and result["not_fp8"] == []
+
+
+def test_an_fp8_convolution_is_fp8_forward_and_bfloat16_backward(compiled):
+    result = compiled["by_hand"]["conv"]
+    assert result["products"] == {"cudnn-fp8": 1, "cudnn bf16": 2}
+    assert result["asked_for_fp8"] == 1 and result["not_fp8"] == []
+
+
+@pytest.mark.parametrize("road", FP8_ROADS)
+@pytest.mark.parametrize("model", ["gpt", "cnn"])
+def test_every_fp8_product_of_a_training_step_is_an_fp8_kernel(compiled, model, road):
+    result = compiled["models"][model][road]["cublas"]
+    assert result["not_fp8"] == []
+    fp8 = result["products"].get("cublas-fp8", 0)
+    fp8 += result["products"].get("cudnn-fp8", 0)
+    assert fp8 == result["asked_for_fp8"]
+    if model == "cnn" and road == "autocast_fp8":
+        assert fp8 == 0  # its rule names dot_general only; the CNN's head is too small
+    else:
+        assert fp8 > 0
+
+
+@pytest.mark.parametrize("road", BF16_ROADS)
+@pytest.mark.parametrize("model", ["gpt", "cnn"])
+def test_bfloat16_roads_compile_to_the_hand_cast_kernels(compiled, model, road):
+    hand = compiled["models"][model]["hand_bf16"]
+    ours = compiled["models"][model][road]
+    for flags in ("cublas", "default"):
+        assert ours[flags]["products"] == hand[flags]["products"]
+    assert ours["default"]["temp_bytes"] <= 1.02 * hand["default"]["temp_bytes"]
