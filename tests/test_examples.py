@@ -141,3 +141,17 @@ def test_telemetry_underflow_shows_the_subnormal_gradients():
     )
     assert "run              | step |      loss | worst output gradient" in out
     assert "no loss scale    |    4 |" in out and "DynamicLossScale |    4 |" in out
+
+
+def test_telemetry_fp8_shows_what_unscaled_fp8_flushes():
+    pytest.importorskip("sklearn")
+    out = _run_example("telemetry_fp8.py", "--steps", "4", "--every", "2")
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("fp8")]
+    scaled = [r for r in rows if r[0].strip() == "fp8"]
+    unscaled = [r for r in rows if r[0].strip() == "fp8, no scaling"]
+    assert len(scaled) == len(unscaled) == 3
+    # With scales nothing saturates or flushes; without, most of a gradient flushes.
+    assert all(r[3].strip() == "0% / 0%" and r[4].strip() == "0%" for r in scaled)
+    assert all(float(r[4].split("%")[0]) > 50 for r in unscaled)
+    assert "step 4 (no fp8 cast overflowed), each fp8 cast of both runs:" in out
+    assert "fp8, no scaling, step 4, `summary(top=6)`:" in out

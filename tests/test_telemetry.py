@@ -155,6 +155,51 @@ def test_fp8_records_the_scale_and_the_unscaled_amax():
     assert grad.scale is not None and float(grad.overflow) == 0.0
 
 
+@pytest.mark.filterwarnings("ignore:`filter_amp` casts the weights")
+def test_a_tensor_of_nans_has_a_nan_amax_and_no_overflow():
+    model = eqx.nn.Linear(8, 8, use_bias=False, key=jr.key(0))
+    model = eqx.tree_at(lambda m: m.weight, model, jnp.full((8, 8), jnp.nan))
+    amp = eqx_amp.filter_amp(model, policy=F16)
+    _, tel = jax.jit(telemetry(lambda m, x: m(x)))(amp, jnp.ones(8))
+    stats = _row(tel, "m", "weight", at_cast=True)
+    # Not the max reduction's initial value (-inf), and NaN is not an overflow.
+    assert np.isnan(stats.amax)
+    assert float(stats.nonfinite) == 1.0 and float(stats.overflow) == 0.0
+
+
+def _unscaled_fp8(compute_dtype, original_dtypes, *invals, **params):
+    return [v.astype(jnp.float8_e4m3fn).astype(compute_dtype) for v in invals], params
+
+
+def test_a_gradient_cast_twice_is_measured_at_both_casts():
+    # Without scales, the backward pass casts the gradient of each fp8 cast to fp8,
+    # and then to bfloat16: both casts are the same layer's output gradient.
+    model = eqx.nn.MLP(16, 16, 16, 2, key=jr.key(0))
+    rules = {jax.lax.dot_general_p: _unscaled_fp8}
+    amp = eqx_amp.autocast(model, policy="mixed_bfloat16", rules=rules)
+    _, tel = eqx.filter_jit(telemetry(_step))(amp, jr.normal(jr.key(1), (8, 16)))
+    dtypes = {
+        t.dtype
+        for t in tel.tensors
+        if t.layer == "model.layers[0]" and t.role == "output gradient" and t.at_cast
+    }
+    assert dtypes == {"float8_e4m3fn", "bfloat16"}
+
+
+def test_fp8_convolution_gradients_are_measured_unscaled():
+    # The backward fp8 convolutions multiply bfloat16 copies of the scaled fp8
+    # values: their outputs are still scaled, and measured only once unscaled.
+    conv = eqx.nn.Conv2d(16, 16, 3, padding=1, key=jr.key(0))
+    rules = {jax.lax.conv_general_dilated_p: eqx_amp.fp8.TENSORWISE}
+    amp = eqx_amp.autocast(conv, policy="mixed_bfloat16", rules=rules)
+    x = jr.normal(jr.key(1), (2, 16, 8, 8))
+    (_, grads), tel = eqx.filter_jit(telemetry(_step))(amp, x)
+    grad = [t for t in tel.tensors if t.role == "parameter gradient"]
+    assert grad and all(t.at_cast for t in grad)
+    reference = 1024.0 * jnp.max(jnp.abs(grads.fn.weight))  # `_step`'s loss scale
+    np.testing.assert_allclose(grad[0].amax, reference, rtol=1e-2)
+
+
 def test_scan_stacked_blocks_have_one_entry_per_iteration():
     class Stack(eqx.Module):
         blocks: eqx.nn.Linear

@@ -134,13 +134,16 @@ def _statistics(
     finfo = jnp.finfo(value.dtype)
     whole = value if source is None else source
     amax = _amax(jnp.abs(whole), scale).astype(f32)
+    # A magnitude is never negative: a negative maximum is the reduction's initial
+    # value, left by a tensor of NaNs only (XLA's CPU max can skip NaN there).
+    amax = jnp.where(amax < 0, jnp.nan, amax)
     if source is None or scale is not None:
         # fp8 casts the scaled tensor clipped to the dtype's range: only inf and NaN.
         any_nonfinite = ~jnp.isfinite(amax)
         any_saturated = jnp.zeros((), bool)
     else:
         any_nonfinite = ~(amax < _rounds_to_inf(value.dtype))
-        any_saturated = ~(amax <= float(finfo.max))
+        any_saturated = amax > float(finfo.max)  # NaN: not known to saturate
     stride = _stride(value.shape)
     small = jnp.abs(_sample(value, stride).astype(f32))
     masks = [
@@ -361,7 +364,9 @@ class Measure(Hook):
         self.scale = None
         naming.measured.add(outvar)
         if layer is None:
-            naming.pending[outvar] = frozenset({site})
+            # Keep the sites of earlier casts it came from (a gradient cast to fp8,
+            # then to bfloat16), which wait for the same product.
+            naming.pending[outvar] = naming.pending.get(outvar, frozenset()) | {site}
 
     def _product(self, eqn, invals, origins, outs, frame) -> None:
         naming = self.naming
@@ -397,7 +402,8 @@ class Measure(Hook):
         elif not _vars(weights):
             (out,) = eqn.outvars
             naming.grads[out] = layer
-            if _is_narrow(outs[0].dtype):
+            # An fp8 product's output is still scaled: it is measured at its cast.
+            if _is_narrow(outs[0].dtype) and FP8_SCOPE not in frame.scopes:
                 site = Site(PARAMETER_GRADIENT, str(outs[0].dtype), False, layer)
                 self._record(site, outs[0])
                 naming.measured.add(out)
