@@ -282,3 +282,38 @@ def not_fp8(found: list[Product]) -> list[Product]:
     """The products eqx_amp made fp8 ones that the compiled program does not run
     in fp8."""
     return [p for p in found if p.asked_for_fp8 and not p.fp8]
+
+
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")
+_BYTES = {8: 1, 16: 2, 32: 4, 64: 8}
+
+
+def _arrays(type_: str) -> list[tuple[str, int]]:
+    """(dtype, element count) of each array in an HLO type."""
+    arrays = []
+    for dtype, dims in _ARRAY.findall(type_):
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        arrays.append((dtype, count))
+    return arrays
+
+
+def collectives(text: str) -> dict[str, int]:
+    """Bytes each device receives from the collectives of a compiled program, by kind
+    and dtype (`"all-gather bf16"`), and how many of each kind there are (`"all-reduce
+    count"`). An async `all-gather-start` holds its operands and its results: the
+    results are counted."""
+    found = collections.Counter()
+    for inst in parse(text).values():
+        kind = inst.op.removesuffix("-start")
+        if kind not in _COLLECTIVES or inst.op.endswith("-done"):
+            continue
+        arrays = _arrays(inst.type)
+        if inst.op == "all-gather-start":
+            arrays = arrays[len(arrays) // 2 :]
+        found[f"{kind} count"] += 1
+        for dtype, count in arrays:
+            found[f"{kind} {dtype}"] += count * _BYTES.get(_bits(dtype), 0)
+    return dict(sorted(found.items()))

@@ -2,7 +2,8 @@
 
     pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
     python benchmarks/run.py --preset h100-aot          # the CPU preset's models
-    python benchmarks/run.py --preset h100-aot --size gpu --models gpt
+    python benchmarks/h100_aot.py --size gpu --models gpt
+    python benchmarks/h100_aot.py --fsdp 8              # FSDP steps' collectives
 
 JAX compiles for a GPU it does not have (deviceless ahead-of-time compilation) from
 the CUDA plugin and a description of the device (`h100_sxm.txtpb`: an H100 SXM, its
@@ -51,22 +52,28 @@ def plugin_missing() -> str | None:
     return None
 
 
-def h100_sharding():
-    """A sharding on a deviceless H100: what `jax.ShapeDtypeStruct`s of the inputs
-    carry so that `jax.jit(f).lower(...)` compiles for it. The environment variable
-    must be set before JAX starts its backends (the plugin refuses a machine
-    without CUDA otherwise)."""
+def h100_devices(count: int = 1) -> list:
+    """`count` deviceless H100s in one host, to shard `jax.ShapeDtypeStruct`s over so
+    that `jax.jit(f).lower(...)` compiles for them. The environment variable must be
+    set before JAX starts its backends (the plugin refuses a machine without CUDA
+    otherwise)."""
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
-    import jax
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(
         platform="cuda",
         topology_name="h100",
         target_config=TARGET.read_text(),
-        topology="1x1x1",
+        topology=f"1x1x{count}",
     )
-    return jax.sharding.SingleDeviceSharding(topology.devices[0])
+    return list(topology.devices)
+
+
+def h100_sharding():
+    """A sharding on one deviceless H100."""
+    import jax
+
+    return jax.sharding.SingleDeviceSharding(h100_devices(1)[0])
 
 
 def compile_for_h100(fn, *args, sharding, triton_gemm: bool = True):
@@ -121,6 +128,51 @@ def compile_variant(model: str, variant: str, size: str, sharding) -> dict:
     return out
 
 
+def compile_fsdp_variant(model: str, variant: str, size: str, devices: list) -> dict:
+    """One variant's training step for H100s in one host, FSDP-sharded: every
+    floating array of the state with a leading axis divisible by the device count
+    (weights, optimizer moments) split along it, the batch along its first axis;
+    the collectives XLA's GPU pipeline leaves, by kind and dtype."""
+    import _gpu_hlo
+    import _measure
+    import jax
+    import numpy as np
+    from _models import PRESETS, make_task
+    from _variants import VARIANTS as ALL
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+    n = len(devices)
+
+    def spec(x, shard):
+        split = shard(x) and x.shape[0] % n == 0
+        sharding = NamedSharding(
+            mesh, PartitionSpec("fsdp") if split else PartitionSpec()
+        )
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    def is_weight(x):
+        return x.ndim >= 2 and np.issubdtype(x.dtype, np.floating)
+
+    task = make_task(model, PRESETS[size][model])
+    built = ALL[variant].build(task)
+    step, dynamic = _measure.jittable(built.step, built.state)
+    compiled = (
+        jax.jit(step)
+        .lower(
+            jax.tree.map(lambda x: spec(x, is_weight), dynamic),
+            jax.tree.map(lambda x: spec(x, lambda x: x.ndim >= 1), task.batch(0)),
+        )
+        .compile(compiler_options=NO_TRITON_GEMM)
+    )
+    text = compiled.as_text()
+    return {
+        "variant": variant,
+        "collectives": _gpu_hlo.collectives(text),
+        "products": _gpu_hlo.summary(_gpu_hlo.products(text)),
+    }
+
+
 def _products_text(products: dict) -> str:
     return ", ".join(f"{n} {k}" for k, n in products.items()) or "-"
 
@@ -161,6 +213,9 @@ def main(argv=None) -> int:
                         help="the model sizes of that preset")  # fmt: skip
     parser.add_argument("--models", default="gpt,cnn")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--fsdp", type=int, default=0, metavar="N",
+                        help="instead, each step FSDP-sharded over N H100s: its "
+                        "collectives by kind and dtype")  # fmt: skip
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", help="write the tables here")
     args = parser.parse_args(argv)
@@ -168,6 +223,8 @@ def main(argv=None) -> int:
     if missing:
         print(f"--preset h100-aot: {missing}", file=sys.stderr)
         return 2
+    if args.fsdp:
+        return fsdp_main(args)
     sharding = h100_sharding()
     results = {}
     for model in args.models.split(","):
@@ -197,6 +254,70 @@ def main(argv=None) -> int:
         print(f"NOT FP8: {model} {variant}: {p['call']} reads {p['reads']}: "
               f"{p['op_name']}")  # fmt: skip
     return 1 if failures else 0
+
+
+def fsdp_markdown(results: dict, devices: int) -> str:
+    """Per model: each variant's collectives (bytes a device receives, by kind and
+    dtype) beside the hand-cast step's."""
+    lines = []
+    for model, rows in results.items():
+        hand = next((r for r in rows if r["variant"] == "hand_bf16"), None)
+        lines += [
+            f"### {model}, FSDP over {devices} H100s",
+            "",
+            "| variant | all-gather | reduce-scatter | all-reduce (count) | "
+            "all-gather bytes ×hand |",
+            "|---|---|---|---|---|",
+        ]
+        for r in rows:
+            c = r["collectives"]
+
+            def of(kind, c=c):
+                return (
+                    ", ".join(
+                        f"{k.split()[1]} {v / 1024:.0f}K"
+                        for k, v in c.items()
+                        if k.startswith(kind + " ") and not k.endswith("count")
+                    )
+                    or "-"
+                )
+
+            def gathered(c):
+                return sum(
+                    v
+                    for k, v in c.items()
+                    if k.startswith("all-gather ") and "count" not in k
+                )
+
+            ratio = (
+                f"{gathered(c) / gathered(hand['collectives']):.2f}"
+                if hand and gathered(hand["collectives"])
+                else "-"
+            )
+            lines.append(
+                f"| {r['variant']} | {of('all-gather')} | {of('reduce-scatter')} | "
+                f"{of('all-reduce')} ({c.get('all-reduce count', 0)}) | {ratio} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def fsdp_main(args) -> int:
+    devices = h100_devices(args.fsdp)
+    results = {}
+    for model in args.models.split(","):
+        results[model] = []
+        for variant in args.variants.split(","):
+            row = compile_fsdp_variant(model, variant, args.size, devices)
+            results[model].append(row)
+            print(f"{model} {variant}: {row['collectives']}", flush=True)
+    table = fsdp_markdown(results, args.fsdp)
+    print("\n" + table)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(table)
+    return 0
 
 
 if __name__ == "__main__":

@@ -119,3 +119,30 @@ def test_an_empty_or_foreign_text_has_no_products():
 )
 def test_bits(dtype, bits):
     assert _gpu_hlo._bits(dtype) == bits
+
+
+COLLECTIVES = """\
+ENTRY %main (p: f8e4m3fn[128,512], q: f32[1048576]) -> f32[] {
+  %p = f8e4m3fn[128,512]{1,0} parameter(0)
+  %q = f32[1048576]{0} parameter(1)
+  %all-gather-start = ((f8e4m3fn[128,512]{1,0}, bf16[64,1024]{1,0}), (f8e4m3fn[1024,512]{1,0}, bf16[512,1024]{1,0})) all-gather-start(%p, %p), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %all-gather-done = (f8e4m3fn[1024,512]{1,0}, bf16[512,1024]{1,0}) all-gather-done(%all-gather-start)
+  %all-reduce-start = f32[3]{0} all-reduce-start(%q), channel_id=2, to_apply=%add
+  %all-reduce-done = f32[3]{0} all-reduce-done(%all-reduce-start)
+  %reduce-scatter = bf16[131072]{0} reduce-scatter(%q), channel_id=3, dimensions={0}, to_apply=%add
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_collectives_count_what_each_device_receives_by_kind_and_dtype():
+    assert _gpu_hlo.collectives(COLLECTIVES) == {
+        # An async all-gather's results: the gathered arrays.
+        "all-gather bf16": 512 * 1024 * 2,
+        "all-gather count": 1,
+        "all-gather f8e4m3fn": 1024 * 512,
+        "all-reduce count": 1,
+        "all-reduce f32": 3 * 4,
+        "reduce-scatter bf16": 131072 * 2,
+        "reduce-scatter count": 1,
+    }

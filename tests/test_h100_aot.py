@@ -7,7 +7,11 @@ one (benchmarks/h100_aot.py). Needs the CUDA plugin, not a GPU:
   by hand, the autocast rules, `filter_amp(fp8=)`, `BiModel(fp8=)`) is cuBLASLt's
   fp8 GEMM or a cuDNN fp8 convolution with Triton GEMMs off;
 - the bfloat16 roads (`filter_amp`, `autocast`, `BiModel`) compile to the GEMM and
-  convolution kinds of the hand-cast step.
+  convolution kinds of the hand-cast step;
+- FSDP over 8 H100s: the half-precision roads all-gather what hand-cast does, in
+  their half dtype, and nothing in float32 (a float16 step's skipping once made XLA
+  gather the whole float32 state every step); the fp8 roads all-gather their
+  weights in fp8, at most 0.55x hand-cast's bytes.
 """
 
 import importlib.util
@@ -31,6 +35,10 @@ pytestmark = [
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 BF16_ROADS = ("filter_amp_bf16", "autocast_bf16", "bimodel_bf16")
 FP8_ROADS = ("autocast_fp8", "autocast_fp8_rowwise", "filter_amp_fp8", "bimodel_fp8")
+# FSDP over 8 H100s: the steps whose weights are all-gathered (a BiModel's compute
+# copy is partitioned another way: no weight all-gather at all).
+FSDP_HALF_ROADS = ("filter_amp_bf16", "autocast_bf16", "filter_amp_f16", "autocast_f16")
+FSDP_FP8_ROADS = ("autocast_fp8", "filter_amp_fp8")
 
 # Run in a fresh interpreter: the CUDA plugin must learn that there is no GPU before
 # JAX starts its backends, which pytest's process has done.
@@ -82,6 +90,11 @@ SCRIPT = textwrap.dedent(
             for model in ("gpt", "cnn")
         },
     }
+    devices = h100_aot.h100_devices(8)
+    out["fsdp"] = {
+        v: h100_aot.compile_fsdp_variant("gpt", v, "cpu", devices)["collectives"]
+        for v in sys.argv[3].split(",")
+    }
     print("RESULT" + json.dumps(out))
     """
 )
@@ -90,8 +103,9 @@ SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def compiled():
     variants = ",".join(("hand_bf16", *BF16_ROADS, *FP8_ROADS))
+    fsdp = ",".join(("hand_bf16", *FSDP_HALF_ROADS, *FSDP_FP8_ROADS))
     run = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(BENCHMARKS), variants],
+        [sys.executable, "-c", SCRIPT, str(BENCHMARKS), variants, fsdp],
         capture_output=True,
         text=True,
         timeout=1500,
@@ -136,3 +150,28 @@ def test_bfloat16_roads_compile_to_the_hand_cast_kernels(compiled, model, road):
     for flags in ("cublas", "default"):
         assert ours[flags]["products"] == hand[flags]["products"]
     assert ours["default"]["temp_bytes"] <= 1.02 * hand["default"]["temp_bytes"]
+
+
+def _gathered(collectives: dict) -> dict:
+    return {
+        k.split()[1]: v
+        for k, v in collectives.items()
+        if k.startswith("all-gather ") and not k.endswith("count")
+    }
+
+
+@pytest.mark.parametrize("road", FSDP_HALF_ROADS)
+def test_fsdp_half_precision_roads_gather_what_hand_cast_gathers(compiled, road):
+    hand = _gathered(compiled["fsdp"]["hand_bf16"])
+    ours = _gathered(compiled["fsdp"][road])
+    assert "f32" not in ours
+    half = "bf16" if "bf16" in road else "f16"
+    assert ours == {half: hand["bf16"]}
+
+
+@pytest.mark.parametrize("road", FSDP_FP8_ROADS)
+def test_fsdp_fp8_roads_gather_their_weights_in_fp8(compiled, road):
+    hand = sum(_gathered(compiled["fsdp"]["hand_bf16"]).values())
+    ours = _gathered(compiled["fsdp"][road])
+    assert "f32" not in ours and ours["f8e4m3fn"] > 0
+    assert sum(ours.values()) <= 0.55 * hand

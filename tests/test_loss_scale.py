@@ -516,12 +516,25 @@ def test_select_tree_keys_ints_and_static_leaves():
     assert jr.key_data(out["k"]).tolist() == jr.key_data(b["k"]).tolist()
 
 
-def test_select_tree_is_one_cond(getkey):
-    a = eqx.nn.MLP(3, 2, 4, 2, key=getkey())
-    b = jax.tree_util.tree_map(lambda x: x * 2 if eqx.is_array(x) else x, a)
+def _lowered_for(platform: str, fn, *args) -> str:
+    return jax.export.export(jax.jit(fn), platforms=[platform])(*args).mlir_module()
+
+
+def test_select_tree_is_one_cond_on_a_cpu_and_a_select_per_leaf_elsewhere():
+    """One cond compiles smaller on a CPU; a select per leaf keeps each leaf's
+    sharding where XLA's GPU partitioner replicates a cond's outputs (an FSDP
+    state all-gathered every step: `benchmarks/h100_aot.py --fsdp 8`)."""
+    a = {"w": jnp.ones((3, 4)), "b": jnp.ones(4), "rest": [jnp.ones(2, F16)]}
+    b = jax.tree_util.tree_map(lambda x: x * 2, a)
     jaxpr = traced(eqx_amp.select_tree, jnp.asarray(True), a, b)
-    assert len(eqns_named(jaxpr, "cond")) == 1
-    assert eqns_named(jaxpr, "select_n") == []
+    assert len(eqns_named(jaxpr, "platform_index")) == 1
+    cpu = _lowered_for("cpu", eqx_amp.select_tree, jnp.asarray(True), a, b)
+    assert "stablehlo.select" not in cpu
+    for platform in ("cuda", "tpu"):
+        text = _lowered_for(platform, eqx_amp.select_tree, jnp.asarray(True), a, b)
+        assert text.count("stablehlo.select ") == 3, platform
+    out = jax.jit(eqx_amp.select_tree)(jnp.asarray(False), a, b)
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(jnp.array_equal, out, b))
 
 
 @pytest.mark.parametrize(

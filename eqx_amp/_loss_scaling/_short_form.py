@@ -19,7 +19,7 @@ from .._optim._transforms import check_optimizer
 from ._grad import Grads
 from ._scaled_step import ScaledOptions, check_decorated, scaled_options, scaled_step
 from ._scales import AbstractLossScale, DynamicLossScale
-from ._skipping import all_finite
+from ._skipping import all_finite, cond_or_select
 
 
 class LossScalingState(NamedTuple):
@@ -139,7 +139,7 @@ def loss_scaling(
             kept = jtu.tree_map(_in_dtype_of, inner_state, state_shapes)
             return zeros, kept
 
-        updates, inner_state = jax.lax.cond(
+        updates, inner_state = cond_or_select(
             grads_finite, apply, reject, state.inner_state
         )
         notfinite = jnp.logical_not(grads_finite).astype(jnp.int32)

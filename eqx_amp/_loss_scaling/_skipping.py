@@ -1,5 +1,5 @@
-"""Skipping a step: whether gradients are finite (agreed across devices), and one
-`lax.cond` that keeps the old model and optimizer state when they are not."""
+"""Skipping a step: whether gradients are finite (agreed across devices), and the
+choice that keeps the old model and optimizer state when they are not."""
 
 from collections.abc import Hashable
 from typing import Any
@@ -92,11 +92,14 @@ def select_tree(pred: Bool[ArrayLike, ""], a: PyTree, b: PyTree) -> PyTree:
     The usual use is skipping a training step whose gradients are not finite:
     `select_tree(grads_finite, (new_model, new_opt_state), (model, opt_state))`.
 
-    The choice is made by one `lax.cond` over the whole tree rather than a
-    `lax.select` per leaf. With a select per leaf, XLA duplicates the finiteness
-    checks and parts of the optimizer update into every fused select: on a small
-    transformer the compiled step has about 3x the instructions of one that never
-    skips, against 1.08x with the `lax.cond` (`benchmarks/skip_overhead.py`).
+    On a CPU the choice is one `lax.cond` over the whole tree: with a select per
+    leaf, XLA's CPU program of a small transformer step has about 3x the
+    instructions of one that never skips, against 1.08x with the `lax.cond`
+    (`benchmarks/skip_overhead.py`). On GPUs and TPUs it is a select per leaf, which
+    keeps each leaf's sharding: XLA's GPU partitioner replicates the outputs of a
+    `lax.cond` over sharded arrays when the step's output shardings are not given,
+    so an FSDP model and optimizer state would be all-gathered whole every step
+    (`benchmarks/h100_aot.py --fsdp 8`).
 
     **Arguments:**
 
@@ -153,5 +156,24 @@ def select_tree(pred: Bool[ArrayLike, ""], a: PyTree, b: PyTree) -> PyTree:
         return a if pred else b
     a_dynamic, static = eqx.partition(a, eqx.is_array)
     b_dynamic, _ = eqx.partition(b, eqx.is_array)
-    chosen = jax.lax.cond(pred, lambda x, _: x, lambda _, y: y, a_dynamic, b_dynamic)
+    chosen = cond_or_select(pred, lambda x, _: x, lambda _, y: y, a_dynamic, b_dynamic)
     return eqx.combine(chosen, static)
+
+
+def cond_or_select(
+    pred: Bool[Array, ""], when_true: Any, when_false: Any, *operands: Any
+) -> Any:
+    """`lax.cond(pred, when_true, when_false, *operands)` on a CPU; elsewhere both
+    branches, then a `lax.select` per leaf. XLA's GPU partitioner replicates the
+    outputs of a `lax.cond` over sharded arrays whose output shardings are not
+    given (an FSDP step's whole state, all-gathered every step); a select keeps
+    each leaf's sharding. On a CPU the cond compiles to a smaller program."""
+
+    def by_cond(pred, *operands):
+        return jax.lax.cond(pred, when_true, when_false, *operands)
+
+    def by_select(pred, *operands):
+        chosen, other = when_true(*operands), when_false(*operands)
+        return jtu.tree_map(lambda x, y: jax.lax.select(pred, x, y), chosen, other)
+
+    return jax.lax.platform_dependent(pred, *operands, cpu=by_cond, default=by_select)
