@@ -153,9 +153,33 @@ def _transposed(linear: Any, like: Any, cotangent: Array) -> Array:
     return jax.linear_transpose(linear, aval)(cotangent)[0]
 
 
+def _rowwise_cotangent(cotangent, lhs, rhs, dims, of_lhs: bool) -> Array:
+    """The cotangent of one operand of a rowwise fp8 matmul: the output cotangent
+    and the other operand quantised per row of this backward product (amax over the
+    other operand's free axes, which it contracts), scales applied outside it."""
+    (lc, rc), (lb, rb) = dims
+    lhs_map, rhs_map = _output_axes(dims, lhs.ndim, rhs.ndim)
+    if of_lhs:
+        own, other, own_map, other_map = lhs, rhs, lhs_map, rhs_map
+        # Each axis of `other` stands for the operand axis it is paired with.
+        paired = {**dict(zip(rb, lb)), **dict(zip(rc, lc))}
+        other_free = free_axes(rhs.ndim, rc, rb)
+    else:
+        own, other, own_map, other_map = rhs, lhs, rhs_map, lhs_map
+        paired = {**dict(zip(lb, rb)), **dict(zip(lc, rc))}
+        other_free = free_axes(lhs.ndim, lc, lb)
+    qg, sg = quantize(cotangent, E5M2, tuple(other_map[a] for a in other_free))
+    qo, so = quantize(other, E4M3, tuple(other_free))
+    product = _operand_cotangent(qg, qo, dims, own.ndim, of_lhs)
+    return unscale(
+        product,
+        _laid_out(1.0 / sg, {out: a for a, out in own_map.items()}, own.ndim),
+        _laid_out(1.0 / so, paired, own.ndim),
+    )
+
+
 def fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype):
     """The fp8 matmul for one set of static arguments, with its derivative rule."""
-    (lc, rc), (lb, rb) = dims
 
     @jax.custom_vjp
     def matmul(lhs, rhs):
@@ -180,26 +204,8 @@ def fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype):
         # Rowwise: each product's operands are quantised per row of that product
         # (amax over the axes it contracts), so that both scales come out of it.
         lhs, rhs = residuals
-        lhs_free, rhs_free = free_axes(lhs.ndim, lc, lb), free_axes(rhs.ndim, rc, rb)
-        lhs_map, rhs_map = _output_axes(dims, lhs.ndim, rhs.ndim)
-        # d lhs = g . rhs, contracting the rhs free axes.
-        qg, sg = quantize(cotangent, E5M2, tuple(rhs_map[a] for a in rhs_free))
-        qr, sr = quantize(rhs, E4M3, tuple(rhs_free))
-        dlhs = _operand_cotangent(qg, qr, dims, lhs.ndim, of_lhs=True)
-        dlhs = unscale(
-            dlhs,
-            _laid_out(1.0 / sg, {out: a for a, out in lhs_map.items()}, lhs.ndim),
-            _laid_out(1.0 / sr, {**dict(zip(rb, lb)), **dict(zip(rc, lc))}, lhs.ndim),
-        )
-        # d rhs = lhs . g, contracting the lhs free axes.
-        qg, sg = quantize(cotangent, E5M2, tuple(lhs_map[a] for a in lhs_free))
-        ql, sl = quantize(lhs, E4M3, tuple(lhs_free))
-        drhs = _operand_cotangent(qg, ql, dims, rhs.ndim, of_lhs=False)
-        drhs = unscale(
-            drhs,
-            _laid_out(1.0 / sg, {out: a for a, out in rhs_map.items()}, rhs.ndim),
-            _laid_out(1.0 / sl, {**dict(zip(lb, rb)), **dict(zip(lc, rc))}, rhs.ndim),
-        )
+        dlhs = _rowwise_cotangent(cotangent, lhs, rhs, dims, of_lhs=True)
+        drhs = _rowwise_cotangent(cotangent, lhs, rhs, dims, of_lhs=False)
         return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype)
 
     matmul.defvjp(forward, backward)
