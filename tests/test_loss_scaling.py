@@ -286,3 +286,31 @@ def test_short_form_as_decorators_with_aux_and_a_bimodel(getkey):
     assert jax.tree_util.tree_structure(
         eqx.filter(grads, eqx.is_array)
     ) == jax.tree_util.tree_structure(eqx.filter(bimodel.master, eqx.is_inexact_array))
+
+
+def test_skipping_selects_per_leaf_off_a_cpu():
+    """On GPUs and TPUs the skip is a select per leaf, not a `lax.cond`, whose
+    outputs XLA's GPU partitioner replicates (an FSDP state gathered every step);
+    on a CPU it is one cond, and both skip alike."""
+    params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+    optim = eqx_amp.loss_scaling(optax.sgd(0.1), eqx_amp.DynamicLossScale(2.0**10))
+    state = optim.init(params)
+
+    def update(grads, state):
+        return optim.update(grads, state, params)
+
+    def selects(platform):
+        exported = jax.export.export(jax.jit(update), platforms=[platform])
+        return exported(params, state).mlir_module().count("stablehlo.select ")
+
+    # The loss scale's own adjustment selects on every platform; off a CPU, each
+    # update and each optimizer-state leaf is one more.
+    on_cpu = selects("cpu")
+    leaves = len(jax.tree_util.tree_leaves((params, state.inner_state)))
+    assert selects("cuda") == selects("tpu") == on_cpu + leaves
+    nan = jax.tree_util.tree_map(lambda x: x * jnp.nan, params)
+    updates, new_state = jax.jit(update)(nan, state)
+    assert all(
+        float(jnp.abs(u).max()) == 0.0 for u in jax.tree_util.tree_leaves(updates)
+    )
+    assert not bool(new_state.last_finite)
