@@ -109,8 +109,11 @@ def analyse(compiled) -> dict:
     }
 
 
-def compile_variant(model: str, variant: str, size: str, sharding) -> dict:
-    """One variant's training step, compiled both ways."""
+def compile_variant(
+    model: str, variant: str, size: str, sharding, ways=("default", "cublas")
+) -> dict:
+    """One variant's training step, compiled each of `ways`: with XLA's defaults
+    (`"default"`) and with Triton GEMMs off (`"cublas"`)."""
     import _measure
     from _models import PRESETS, make_task
     from _variants import VARIANTS as ALL
@@ -119,7 +122,8 @@ def compile_variant(model: str, variant: str, size: str, sharding) -> dict:
     built = ALL[variant].build(task)
     step, dynamic = _measure.jittable(built.step, built.state)
     out = {"variant": variant}
-    for name, triton in (("default", True), ("cublas", False)):
+    for name in ways:
+        triton = name == "default"
         start = time.perf_counter()
         compiled = compile_for_h100(
             step, dynamic, task.batch(0), sharding=sharding, triton_gemm=triton
