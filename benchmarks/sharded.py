@@ -77,20 +77,34 @@ DATA, MODEL = "data", "model"
 MESHES = {"fsdp": (8, 1), "fsdp_tp": (4, 2)}
 ENGINES = ("jit", "shard_map")
 PATHS = ("filter_amp", "autocast", "bimodel")
+# The paths measured with fp8 products (a BiModel's fp8 step is not yet).
+_FP8_PATHS = ("autocast", "filter_amp")
 # Bytes of one element, by the dtype names XLA prints.
-_ITEMSIZE = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
+_ITEMSIZE = {
+    "f64": 8,
+    "f32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "pred": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
+# fp8 cases compute in bfloat16 with tensorwise fp8 products.
+FP8 = eqx_amp.fp8.TENSORWISE
 _COLLECTIVE = re.compile(
     r"=\s*(?P<type>\(?[a-z0-9]+\[[^=]*?)\s"
     r"(?P<kind>all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
     r"(?:-start)?\("
 )
-_SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     variant: str  # fp32, hand, filter_amp, autocast, bimodel
-    dtype: str  # f32, bf16, f16
+    dtype: str  # f32, bf16, f16, fp8 (bfloat16 with fp8 products and gathers)
     reduce: str  # the reduce dtype asked for: "compute" or "f32"
     mesh: str
     engine: str
@@ -101,20 +115,30 @@ class Case:
 
     @property
     def policy(self) -> eqx_amp.Policy:
-        policy = eqx_amp.Policy(jnp.float32, _HALF[self.dtype], jnp.float32)
+        half = _HALF.get(self.dtype, jnp.bfloat16)
+        policy = eqx_amp.Policy(jnp.float32, half, jnp.float32)
         return policy.with_reduce_dtype(jnp.float32 if self.reduce == "f32" else None)
 
 
-def cases(quick: bool = False, only: str | None = None) -> list[Case]:
+def cases(
+    quick: bool = False, only: str | None = None, fp8: bool = False
+) -> list[Case]:
     """Every case of the table; `quick` (the test suite's) asks bfloat16 for its
     compute-dtype reduction and float16 for a float32 one; `only` ("MESH/ENGINE")
-    keeps one mesh and engine."""
+    keeps one mesh and engine; `fp8` keeps the cases the fp8 ones are compared
+    with (float32, bfloat16 by hand and by `autocast`) and the fp8 ones."""
     out = []
     for mesh in MESHES:
         for engine in ENGINES:
             if only is not None and only != f"{mesh}/{engine}":
                 continue
             out.append(Case("fp32", "f32", "compute", mesh, engine))
+            if fp8 or not quick:
+                out += [Case(v, "fp8", "compute", mesh, engine) for v in _FP8_PATHS]
+            if fp8:
+                out.append(Case("hand", "bf16", "compute", mesh, engine))
+                out.append(Case("autocast", "bf16", "compute", mesh, engine))
+                continue
             for dtype in ("bf16", "f16"):
                 out.append(Case("hand", dtype, "compute", mesh, engine))
                 reduces = (
@@ -192,12 +216,14 @@ def _forward(case: Case, model, tokens):
         return jax.vmap(model)(inputs)
     if case.variant == "hand":
         return jax.vmap(hand_cast(model, _HALF[case.dtype]))(inputs)
+    fp8 = FP8 if case.dtype == "fp8" else None
     if case.variant == "filter_amp":
-        return jax.vmap(eqx_amp.filter_amp(model, policy=case.policy))(inputs)
+        return jax.vmap(eqx_amp.filter_amp(model, policy=case.policy, fp8=fp8))(inputs)
     if case.variant == "autocast":
-        return eqx_amp.autocast(lambda m, x: jax.vmap(m)(x), policy=case.policy)(
-            model, inputs
-        )
+        rules = None if fp8 is None else {jax.lax.dot_general_p: fp8}
+        return eqx_amp.autocast(
+            lambda m, x: jax.vmap(m)(x), policy=case.policy, rules=rules
+        )(model, inputs)
     raise ValueError(case.variant)
 
 
@@ -266,7 +292,11 @@ def build_step(case: Case, static, mesh) -> Callable:
             params = _hand_gather(shards, dims, dtype)
         else:
             params = eqx_amp.sharding.gather_params(
-                shards, DATA, specs=specs, policy=case.policy
+                shards,
+                DATA,
+                specs=specs,
+                policy=case.policy,
+                fp8=FP8 if case.dtype == "fp8" else None,
             )
         return jax.lax.pmean(loss(params, tokens), DATA)
 
@@ -300,21 +330,28 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _DEFINITION = re.compile(
     r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\((.*?)\)"
 )
-# Ops that move a parameter without computing from it.
+# Ops that move a parameter without computing from it, and the elementwise ops of
+# an fp8 quantisation (scaled, clipped, non-finite values kept).
 _PASS_THROUGH = {"convert", "copy", "bitcast", "reshape", "transpose", "custom-call"}
+_QUANTISING = {"multiply", "clamp", "select"}
 
 
 def _reaches_parameter(name: str, defs: dict) -> bool:
-    """Whether `name` is an entry parameter, possibly converted or reshaped."""
-    seen = set()
-    while name in defs and name not in seen:
+    """Whether `name` is an entry parameter, possibly converted or reshaped, or
+    quantised to fp8 (through any operand of the quantising ops)."""
+    seen, todo = set(), [name]
+    while todo:
+        name = todo.pop()
+        if name not in defs or name in seen:
+            continue
         seen.add(name)
         opcode, operands = defs[name]
         if opcode == "parameter":
             return True
-        if opcode not in _PASS_THROUGH or not operands:
-            return False
-        name = operands[0]
+        if opcode in _PASS_THROUGH and operands:
+            todo.append(operands[0])
+        elif opcode in _QUANTISING:
+            todo.extend(operands)
     return False
 
 
@@ -353,6 +390,7 @@ def collectives(text: str, param_shapes: set[tuple[int, ...]]) -> list[dict]:
             found.append(
                 {
                     "kind": match["kind"],
+                    "rank": len(shape),
                     "dtype": dtype,
                     "bytes": int(np.prod(shape, dtype=np.int64))
                     * _ITEMSIZE.get(dtype, 4),
@@ -386,6 +424,13 @@ def _rel_error(a, b) -> float:
     )
     x, y = flat(a), flat(b)
     return float(np.linalg.norm(x - y) / (np.linalg.norm(y) + 1e-30))
+
+
+def _one_device_error(case: Case, model, tokens, reference) -> float:
+    """The gradient error of the case's path on one device, unsharded."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    one = dataclasses.replace(case, engine="jit")
+    return _rel_error(jax.jit(build_step(one, static, None))(params, tokens), reference)
 
 
 def measure(case: Case, model, tokens, reference) -> dict:
@@ -430,13 +475,23 @@ def measure(case: Case, model, tokens, reference) -> dict:
         "name": case.name,
         "collectives": summarise(found),
         "grad_error": _rel_error(grads, reference),
+        "grad_error_one_device": (
+            _one_device_error(case, model, tokens, reference)
+            if case.dtype == "fp8" or case.variant == "autocast"
+            else None
+        ),
+        # Small float32 all-reduces: the loss's mean, fp8 amaxes.
+        "small_all_reduces": sum(
+            c["kind"] == "all-reduce" and c["rank"] <= 1 and c["dtype"] == "f32"
+            for c in found
+        ),
         # Where GSPMD put each gradient (the step does not constrain them).
         "grad_shardings": [str(g.sharding.spec) for g in jtu.tree_leaves(grads)],
         "memory_per_device": per_device,
     }
 
 
-def run(quick: bool = False, only: str | None = None) -> list[dict]:
+def run(quick: bool = False, only: str | None = None, fp8: bool = False) -> list[dict]:
     key_model, key_data = jr.split(jr.key(0))
     model = make_model(key_model)
     tokens = jr.randint(key_data, (16, 17), 0, 64)
@@ -449,7 +504,7 @@ def run(quick: bool = False, only: str | None = None) -> list[dict]:
 
     reference = jax.jit(jax.grad(reference_loss))(params)
     rows = []
-    for case in cases(quick, only):
+    for case in cases(quick, only, fp8):
         print("measuring", case.name, file=sys.stderr, flush=True)
         rows.append(measure(case, model, tokens, reference))
     return rows
@@ -464,7 +519,7 @@ def _fmt_bytes(by_dtype: dict | None) -> str:
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| variant | dtype | reduce | mesh | engine | all-gather | gradient reductions "
-        "| other collectives | grad error vs f32 | memory/device |",
+        "| other collectives | grad error vs f32 (one device) | memory/device |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -474,11 +529,13 @@ def markdown(rows: list[dict]) -> str:
             if r["memory_per_device"] is None
             else f"{r['memory_per_device'] / 2**20:.2f} MiB"
         )
+        one = r.get("grad_error_one_device")
+        one = "" if one is None else f" ({one:.2e})"
         lines.append(
             f"| {r['variant']} | {r['dtype']} | {r['reduce']} | {r['mesh']} | "
             f"{r['engine']} | {_fmt_bytes(c.get('param_gather'))} | "
             f"{_fmt_bytes(c.get('grad_reduce'))} | {_fmt_bytes(c.get('other'))} | "
-            f"{r['grad_error']:.2e} | {memory} |"
+            f"{r['grad_error']:.2e}{one} | {memory} |"
         )
     return "\n".join(lines)
 
@@ -486,6 +543,9 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the test suite's cases")
+    parser.add_argument(
+        "--fp8", action="store_true", help="the fp8 cases and those they compare with"
+    )
     parser.add_argument(
         "--json", help="write every measurement to this file ('-': stdout)"
     )
@@ -498,7 +558,7 @@ def main(argv=None) -> None:
             f"The sharded preset needs 8 devices; this machine has {len(devices)} "
             f"{devices[0].platform} device(s). On CPU it simulates 8."
         )
-    rows = run(args.quick, args.only)
+    rows = run(args.quick, args.only, args.fp8)
     if args.json == "-":
         print(json.dumps(rows))
         return

@@ -19,6 +19,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
@@ -26,7 +27,7 @@ from jaxtyping import PyTree
 
 from ._core._axes import check_axis_name, unbound_axis_name_error
 from ._core._cast import cast_leaf, is_floating_array, widest_dtype
-from ._core._describe import is_none
+from ._core._describe import describe, is_module, is_none
 from ._core._filters import FilterSpec, default_filter_spec, selection_mask
 from ._core._policy import Policy, resolve_policy
 from ._jaxpr import _compat as compat
@@ -279,13 +280,18 @@ def _gather_one(
     compute_dtype: np.dtype | None,
     reduce_dtype: np.dtype,
     per_device: bool,
+    fp8: Any = None,
+    amax: Any = None,
 ) -> Any:
     """`leaf` cast to `compute_dtype` (if given) and gathered along `axis` (a shard)
     or marked as varying over the axis (`axis=None`: a replicated leaf, which the
     data it meets varies with). Its gradient is summed across the axis, by a
     reduce-scatter or a psum, in `reduce_dtype` (or in the gradient's own dtype, if
     that is wider). With `per_device` (`jax.pmap`,
-    `shard_map(check_vma=False)`, a named `jax.vmap`) it is averaged instead."""
+    `shard_map(check_vma=False)`, a named `jax.vmap`) it is averaged instead. With
+    `fp8` (a tensorwise fp8 rule) and `amax` (the whole weight's), the shard is
+    quantised to fp8, gathered in it, and handed on in the compute dtype; its
+    gradient passes straight through the rounding, as the fp8 product's does."""
 
     def cast(x):
         return x if compute_dtype is None else cast_leaf(x, compute_dtype)
@@ -298,17 +304,21 @@ def _gather_one(
         )
 
     @jax.custom_vjp
-    def gather(leaf):
+    def gather(leaf, amax):
         if axis is None:
             if not _is_manual_axis(axis_name):
                 return cast(leaf)  # `jax.vmap` has no varying types
             return lax.pcast(cast(leaf), axis_name, to="varying")
+        if amax is not None:
+            quantized, scale = fp8.quantize_shard(leaf, amax)
+            gathered = lax.all_gather(quantized, axis_name, axis=axis, tiled=True)
+            return fp8.dequantize(gathered, scale, compute_dtype)
         return lax.all_gather(cast(leaf), axis_name, axis=axis, tiled=True)
 
-    def forward(leaf):
-        return gather(leaf), None
+    def forward(leaf, amax):
+        return gather(leaf, amax), amax
 
-    def backward(_, cotangent):
+    def backward(amax, cotangent):
         cotangent = cotangent.astype(widest_dtype([reduce_dtype, cotangent.dtype]))
         if per_device:
             # Scaled before the sum, as `check_vma=True` scales each device's
@@ -321,10 +331,10 @@ def _gather_one(
             summed = lax.psum_scatter(
                 cotangent, axis_name, scatter_dimension=axis, tiled=True
             )
-        return (summed.astype(leaf.dtype),)
+        return summed.astype(leaf.dtype), jtu.tree_map(jnp.zeros_like, amax)
 
     gather.defvjp(forward, backward)
-    return gather(leaf)
+    return gather(leaf, amax)
 
 
 def gather_params(
@@ -334,6 +344,8 @@ def gather_params(
     specs: PyTree | None = None,
     policy: Policy | str | None = None,
     filter_spec: FilterSpec | None = None,
+    fp8: Any = None,
+    fp8_filter: Callable[[eqx.Module], bool] | None = None,
 ) -> PyTree:
     """Gathers parameters sharded over a `jax.shard_map` axis (FSDP), casting them to
     the compute dtype first, so that the all-gather moves half-precision bytes; their
@@ -364,6 +376,20 @@ def gather_params(
         `default_policy()`.
     - `filter_spec`: which floating leaves are cast (as in `filter_amp`); `None`
         means `default_filter_spec(shards)`: norm layers stay in their dtype.
+    - `fp8`: `eqx_amp.fp8.TENSORWISE` to all-gather the weights that feed fp8
+        products in `float8_e4m3fn`: each shard is quantised with the scale of its
+        whole weight (the amaxes of all these weights take one `pmax` together),
+        gathered in fp8 (half bfloat16's bytes), and handed on in the compute
+        dtype, from which the model's fp8 products (`filter_amp(..., fp8=...)`,
+        an fp8 rule of `autocast`) quantise it again to the same values. The
+        model must run those products in fp8: this argument only moves the
+        bytes. Gradients are reduce-scattered in the reduce dtype as without it.
+    - `fp8_filter`: the modules whose weights (arrays of two dimensions or more)
+        are gathered in fp8; `None` means `eqx.nn.Linear` and `eqx.nn.Conv` layers
+        whose gathered weight has every dimension a multiple of 16 (the others
+        gather as without `fp8`). A weight it selects that cannot be gathered in
+        fp8 (not floating, not cast by `filter_spec`, a dimension not a multiple
+        of 16) is an error naming it.
 
     **Returns:**
 
@@ -372,7 +398,9 @@ def gather_params(
     **Raises:**
 
     `ValueError` if nothing in `shards` is sharded over `axis_name`, or `specs` does
-    not fit `shards`; `NameError` if `axis_name` is not a mapped axis here.
+    not fit `shards`, or `fp8` is given and no weight can be gathered in fp8 (or
+    one `fp8_filter` selects cannot); `TypeError` for an `fp8` that is not a
+    tensorwise fp8 rule; `NameError` if `axis_name` is not a mapped axis here.
 
     **Example:**
 
@@ -397,16 +425,83 @@ def gather_params(
     if any(d is not None for d in jtu.tree_leaves(dims, is_leaf=is_none)):
         _record_gather(axis_name)
 
-    def gather(selected, dim, leaf):
+    def gather(selected, dim, amax, leaf):
         if not eqx.is_array(leaf):
             return leaf
         compute = policy.compute_dtype if selected else None
         return _gather_one(
-            leaf, axis_name, dim, compute, policy.reduce_dtype, per_device
+            leaf, axis_name, dim, compute, policy.reduce_dtype, per_device, fp8, amax
         )
 
     with unbound_axis_name_error(axis_name):
-        return jtu.tree_map(gather, mask, dims, shards)
+        if fp8 is None:
+            amaxes = jtu.tree_map(lambda _: None, mask)
+        else:
+            if not hasattr(fp8, "check_gather"):
+                raise TypeError(f"`fp8` must be eqx_amp.fp8.TENSORWISE, not {fp8!r}.")
+            fp8.check_gather(policy.compute_dtype)
+            amaxes = _fp8_amaxes(shards, axis_name, dims, mask, fp8, fp8_filter)
+        return jtu.tree_map(gather, mask, dims, amaxes, shards)
+
+
+def _default_fp8_filter(module: Any) -> bool:
+    return isinstance(module, eqx.nn.Linear | eqx.nn.Conv)
+
+
+def _fp8_amaxes(shards, axis_name, dims, mask, fp8, fp8_filter) -> PyTree:
+    """For each leaf: the amax of the whole weight it is a shard of, if it is
+    gathered in fp8, else None. The amaxes of all of them take one `pmax`."""
+    chosen_by = _default_fp8_filter if fp8_filter is None else fp8_filter
+
+    def chosen(node):
+        return is_module(node) and bool(chosen_by(node))
+
+    def mark(n):
+        return jtu.tree_map(lambda _: True, n) if chosen(n) else False
+
+    in_chosen = jtu.tree_map(mark, shards, is_leaf=chosen)
+    flat, treedef = jtu.tree_flatten_with_path(shards)
+    size = lax.axis_size(axis_name)
+    picked = []
+    for (path, leaf), dim, cast, wanted in zip(
+        flat, *(treedef.flatten_up_to(t) for t in (dims, mask, in_chosen))
+    ):
+        if not (wanted and eqx.is_array(leaf) and leaf.ndim >= 2 and dim is not None):
+            picked.append(False)
+            continue
+        shape = tuple(n * size if i == dim else n for i, n in enumerate(leaf.shape))
+        problem = _fp8_gather_problem(leaf, cast, shape, fp8.multiple)
+        if problem is not None and fp8_filter is not None:
+            raise (TypeError if "floating" in problem else ValueError)(
+                f"`gather_params(..., fp8=...)`: the weight {jtu.keystr(path)} "
+                f"(shard {describe(leaf)}) cannot be gathered in fp8: {problem}."
+            )
+        picked.append(problem is None)
+    if not any(picked):
+        raise ValueError(_NO_FP8_WEIGHT.format(axis=axis_name))
+    local = jnp.stack([fp8.shard_amax(x) for (_, x), p in zip(flat, picked) if p])
+    amaxes = iter(lax.pmax(lax.stop_gradient(local), axis_name))
+    return treedef.unflatten([next(amaxes) if p else None for p in picked])
+
+
+def _fp8_gather_problem(leaf, cast: bool, shape, multiple: int) -> str | None:
+    if not is_floating_array(leaf):
+        return "it is not floating (only floating weights are quantised)"
+    if not cast:
+        return "`filter_spec` keeps it in its dtype, so no product reads it in fp8"
+    if any(n % multiple for n in shape):
+        return (
+            f"its gathered shape {shape} has a dimension that is not a multiple of "
+            f"{multiple}, so its products cannot run in fp8"
+        )
+    return None
+
+
+_NO_FP8_WEIGHT = (
+    "`gather_params(..., fp8=...)` found no weight to gather in fp8 (sharded over "
+    "{axis!r}, in a module `fp8_filter` selects, by default `eqx.nn.Linear` and "
+    "`eqx.nn.Conv`, every dimension a multiple of 16): leave `fp8` out."
+)
 
 
 def _is_spec(x: Any) -> bool:

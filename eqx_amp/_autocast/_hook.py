@@ -119,6 +119,7 @@ class _JaxprCasts(Hook):
                 scaling=rule.scaling,
                 out_dtype=out_dtype,
                 only_eligible=True,
+                grad_dtype=self._reduce_dtype or self._compute_dtype,
             )
         ]
 

@@ -200,8 +200,8 @@ def _check_fp8_policy(policy: Policy) -> None:
     if policy.reduce_dtype != policy.compute_dtype:
         raise ValueError(
             "`filter_amp(..., fp8=...)` with a `Policy.reduce_dtype` is not "
-            "supported yet. fp8 matmuls already sum their weight gradients in "
-            "float32; drop the reduce dtype, or use `autocast`, which takes both."
+            "supported yet (fp8 matmuls sum their weight gradients in the compute "
+            "dtype); drop the reduce dtype, or use `autocast`, which takes both."
         )
 
 

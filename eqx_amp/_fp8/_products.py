@@ -80,17 +80,19 @@ def _fp8_forward(lhs, rhs, dims, scaling, out_dtype):
     return out.astype(out_dtype), residuals
 
 
-def _fp8_product(lhs: Array, rhs: Array, dims) -> Array:
+def _fp8_product(lhs: Array, rhs: Array, dims, dtype: Any = jnp.float32) -> Array:
     """The product of two fp8 arrays, accumulated in float32. The dot reads the fp8
     arrays themselves: with conversions up in front of it, XLA may merge dots that
     share an operand (a layer's q, k, v projections) into one that reads a
     concatenation of the conversions, and drop the fp8 round trip as excess
-    precision: a float32 GEMM on an H100 (`--preset h100-aot` shows both)."""
-    return lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
+    precision: a float32 GEMM on an H100 (`--preset h100-aot` shows both). The
+    backward products emit `dtype`, the gradient-reduction dtype: under GSPMD a
+    weight's gradient is summed across devices right on their output."""
+    return lax.dot_general(lhs, rhs, dims, preferred_element_type=dtype)
 
 
 def _operand_cotangent(
-    cotangent: Array, other: Array, dims, ndim: int, of_lhs: bool
+    cotangent: Array, other: Array, dims, ndim: int, of_lhs: bool, dtype: Any
 ) -> Array:
     """The cotangent of one operand of `dot_general(lhs, rhs, dims)` (of `ndim`
     axes) from the output's: the output cotangent contracted with `other` over
@@ -109,6 +111,7 @@ def _operand_cotangent(
             (tuple(range(first, first + len(other_free))), tuple(other_free)),
             (tuple(range(len(batch))), tuple(other_batch)),
         ),
+        dtype,
     )
     # The product's axes: batch, the operand's free axes, then other's contracting
     # axes in increasing order, each standing for the operand axis it contracted.
@@ -153,7 +156,7 @@ def _transposed(linear: Any, like: Any, cotangent: Array) -> Array:
     return jax.linear_transpose(linear, aval)(cotangent)[0]
 
 
-def _rowwise_cotangent(cotangent, lhs, rhs, dims, of_lhs: bool) -> Array:
+def _rowwise_cotangent(cotangent, lhs, rhs, dims, of_lhs: bool, dtype) -> Array:
     """The cotangent of one operand of a rowwise fp8 matmul: the output cotangent
     and the other operand quantised per row of this backward product (amax over the
     other operand's free axes, which it contracts), scales applied outside it."""
@@ -170,16 +173,17 @@ def _rowwise_cotangent(cotangent, lhs, rhs, dims, of_lhs: bool) -> Array:
         other_free = free_axes(lhs.ndim, lc, lb)
     qg, sg = quantize(cotangent, E5M2, tuple(other_map[a] for a in other_free))
     qo, so = quantize(other, E4M3, tuple(other_free))
-    product = _operand_cotangent(qg, qo, dims, own.ndim, of_lhs)
+    product = _operand_cotangent(qg, qo, dims, own.ndim, of_lhs, dtype)
     return unscale(
-        product,
+        product.astype(jnp.float32),
         _laid_out(1.0 / sg, {out: a for a, out in own_map.items()}, own.ndim),
         _laid_out(1.0 / so, paired, own.ndim),
     )
 
 
-def fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype):
-    """The fp8 matmul for one set of static arguments, with its derivative rule."""
+def fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
+    """The fp8 matmul for one set of static arguments, with its derivative rule,
+    whose products emit `grad_dtype` (the dtype GSPMD reduces gradients in)."""
 
     @jax.custom_vjp
     def matmul(lhs, rhs):
@@ -195,17 +199,18 @@ def fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype):
             # Scalar scales come out of the products: fp8 x fp8 GEMMs.
             ql, sl, qr, sr = residuals
             qg, sg = quantize(cotangent, E5M2, tuple(range(cotangent.ndim)))
-            dlhs = _operand_cotangent(qg, qr, dims, ql.ndim, of_lhs=True)
-            drhs = _operand_cotangent(qg, ql, dims, qr.ndim, of_lhs=False)
+            dlhs = _operand_cotangent(qg, qr, dims, ql.ndim, True, grad_dtype)
+            drhs = _operand_cotangent(qg, ql, dims, qr.ndim, False, grad_dtype)
             inverse_g = 1.0 / sg.reshape(())
+            dlhs, drhs = dlhs.astype(jnp.float32), drhs.astype(jnp.float32)
             dlhs = unscale(dlhs, inverse_g, 1.0 / sr.reshape(()))
             drhs = unscale(drhs, inverse_g, 1.0 / sl.reshape(()))
             return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype)
         # Rowwise: each product's operands are quantised per row of that product
         # (amax over the axes it contracts), so that both scales come out of it.
         lhs, rhs = residuals
-        dlhs = _rowwise_cotangent(cotangent, lhs, rhs, dims, of_lhs=True)
-        drhs = _rowwise_cotangent(cotangent, lhs, rhs, dims, of_lhs=False)
+        dlhs = _rowwise_cotangent(cotangent, lhs, rhs, dims, True, grad_dtype)
+        drhs = _rowwise_cotangent(cotangent, lhs, rhs, dims, False, grad_dtype)
         return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype)
 
     matmul.defvjp(forward, backward)

@@ -16,6 +16,7 @@ from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import batched_like, evaluate_function
 from .._jaxpr._hook import Hook, Origin
 from ._products import FP8_SKIPPED_SCOPE, fp8_conv, fp8_matmul, free_axes
+from ._scaling import E4M3, finite_amax, quantize_with, scale_from_amax
 
 
 # fp8 GEMMs (cuBLASLt on Hopper) need every dimension to be a multiple of 16.
@@ -31,6 +32,9 @@ class Fp8Rule:
     `conv_general_dilated` as an fp8 convolution (tensorwise, feature counts
     multiples of 16); the others stay in the compute dtype, and `precision_report`
     says why. Other ops under an fp8 scope rule follow their own primitive's rule."""
+
+    # What an fp8 GEMM needs every dimension to be a multiple of.
+    multiple = FP8_MULTIPLE
 
     def __init__(self, name: str, scaling: str):
         self.name = name
@@ -52,6 +56,38 @@ class Fp8Rule:
         return evaluate_function(
             _call, (fn, args, kwargs), Fp8ParamsHook(self.scaling), param_arrays=params
         )
+
+    # `gather_params(..., fp8=...)` quantises weight shards through these methods
+    # (tensorwise: one scale per weight, from the amax of all its shards).
+
+    def check_gather(self, compute_dtype: np.dtype) -> None:
+        if self.scaling != "tensorwise":
+            raise TypeError(
+                f"`gather_params(..., fp8={self!r})`: a weight is gathered in fp8 "
+                "with one scale for all of it, which rowwise products would not "
+                "reuse; pass `eqx_amp.fp8.TENSORWISE`, or leave `fp8` out to gather "
+                "in the compute dtype."
+            )
+        if compute_dtype.itemsize < 2:
+            raise ValueError(
+                "fp8 gathers hand the weights on in the compute dtype, which must be "
+                f"bfloat16, float16 or wider, not {compute_dtype.name}."
+            )
+
+    def shard_amax(self, shard: Array) -> Array:
+        """The largest finite magnitude of a shard, a float32 scalar."""
+        return finite_amax(shard, tuple(range(shard.ndim))).reshape(())
+
+    def quantize_shard(self, shard: Array, amax: Array) -> tuple[Array, Array]:
+        """A shard in `float8_e4m3fn`, scaled for a weight whose amax is `amax`,
+        and that float32 scale."""
+        scale = scale_from_amax(amax, E4M3)
+        return quantize_with(shard, scale, E4M3), scale
+
+    def dequantize(self, quantized: Array, scale: Array, dtype: Any) -> Array:
+        """A gathered fp8 weight in `dtype`: the fp8 products quantise it again
+        with the same scale, getting the gathered values back."""
+        return (quantized.astype(jnp.float32) * (1.0 / scale)).astype(dtype)
 
     def __repr__(self) -> str:
         return f"eqx_amp.fp8.{self.name}"
@@ -104,9 +140,9 @@ class _Fp8Dots(Hook):
     """Binds every `dot_general` and convolution of a program as an fp8 one (where
     its shapes allow, if `only_eligible`)."""
 
-    def __init__(self, scaling, out_dtype, only_eligible):
+    def __init__(self, scaling, out_dtype, only_eligible, grad_dtype):
         self.scaling, self.out_dtype = scaling, out_dtype
-        self.only_eligible = only_eligible
+        self.only_eligible, self.grad_dtype = only_eligible, grad_dtype
 
     def equation(self, eqn, invals, origins, frame, evaluate):
         if eqn.primitive in FP8_PRIMITIVES:
@@ -117,6 +153,7 @@ class _Fp8Dots(Hook):
                     scaling=self.scaling,
                     out_dtype=self.out_dtype,
                     only_eligible=self.only_eligible,
+                    grad_dtype=self.grad_dtype,
                 )
             ]
         return evaluate(invals)
@@ -126,16 +163,20 @@ class _Fp8Dots(Hook):
 FP8_PRIMITIVES = frozenset({lax.dot_general_p, lax.conv_general_dilated_p})
 
 
-def product_in_fp8(eqn, lhs, rhs, scaling, out_dtype, only_eligible) -> Array:
+def product_in_fp8(
+    eqn, lhs, rhs, scaling, out_dtype, only_eligible, grad_dtype=jnp.float32
+) -> Array:
     """`eqn` (a `dot_general` or a convolution) on `lhs`, `rhs` in fp8; convolutions
-    are scaled tensorwise."""
+    are scaled tensorwise. Matmuls' backward products emit `grad_dtype`."""
     if eqn.primitive is lax.conv_general_dilated_p:
         return conv_in_fp8(lhs, rhs, eqn.params, out_dtype, only_eligible)
     dims = eqn.params["dimension_numbers"]
-    return matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible)
+    return matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible, grad_dtype)
 
 
-def matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible: bool) -> Array:
+def matmul_in_fp8(
+    lhs, rhs, dims, scaling, out_dtype, only_eligible: bool, grad_dtype=jnp.float32
+) -> Array:
     """An fp8 matmul; with `only_eligible`, shapes an fp8 GEMM cannot take run in
     `out_dtype` instead, under a named scope that gives the reason. Under
     `jax.vmap` the shapes decided on are the batched ones."""
@@ -147,14 +188,15 @@ def matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible: bool) -> Ar
     if compat.is_batched(lhs) or compat.is_batched(rhs):
         params = {"dimension_numbers": dims}
         return _batched_as_one(
-            lax.dot_general_p, params, scaling, out_dtype, only_eligible
+            lax.dot_general_p, params, scaling, out_dtype, only_eligible, grad_dtype
         )(lhs, rhs)
     reason = fp8_eligible(lhs.shape, rhs.shape, dims) if only_eligible else None
     if reason is not None:
         with jax.named_scope(f"{FP8_SKIPPED_SCOPE}: {reason}"):
             return lax.dot_general(lhs.astype(out_dtype), rhs.astype(out_dtype), dims)
     lhs_dtype, rhs_dtype = jnp.result_type(lhs), jnp.result_type(rhs)
-    return fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype)(lhs, rhs)
+    matmul = fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype, grad_dtype)
+    return matmul(lhs, rhs)
 
 
 def dot_general(
@@ -223,7 +265,9 @@ def dot_general(
     return matmul_in_fp8(lhs, rhs, dimension_numbers, scaling, out_dtype, False)
 
 
-def _batched_as_one(primitive, params, scaling, out_dtype, only_eligible):
+def _batched_as_one(
+    primitive, params, scaling, out_dtype, only_eligible, grad_dtype=jnp.float32
+):
     """Under `jax.vmap`, the batched product is one fp8 product: its scales cover
     the whole batch."""
 
@@ -236,9 +280,12 @@ def _batched_as_one(primitive, params, scaling, out_dtype, only_eligible):
         if primitive is lax.conv_general_dilated_p:
             return conv_in_fp8(lhs, rhs, params, out_dtype, only_eligible)
         dims = params["dimension_numbers"]
-        return matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible)
+        return matmul_in_fp8(
+            lhs, rhs, dims, scaling, out_dtype, only_eligible, grad_dtype
+        )
 
-    return batched_like(plain, op, _Fp8Dots(scaling, out_dtype, only_eligible))
+    hook = _Fp8Dots(scaling, out_dtype, only_eligible, grad_dtype)
+    return batched_like(plain, op, hook)
 
 
 def fp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:
@@ -288,6 +335,9 @@ class Fp8ParamsHook(Hook):
                     scaling=self.scaling,
                     out_dtype=out_dtype,
                     only_eligible=True,
+                    # The weight gradients are summed (and GSPMD reduces them) in
+                    # the compute dtype, as the policy's reduce dtype is.
+                    grad_dtype=out_dtype,
                 )
             ]
         return evaluate(invals)

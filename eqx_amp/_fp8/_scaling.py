@@ -15,29 +15,39 @@ E5M2 = jnp.dtype(jnp.float8_e5m2)
 MAX_SCALE = 2.0**126
 
 
-def _scale(x: Array, dtype: np.dtype, axes: tuple[int, ...]) -> Array:
-    """float32 scale mapping the largest finite magnitude of `x` over `axes` (kept as
-    size-1 axes) to the largest finite value of `dtype`, at most `MAX_SCALE` (an
-    all-zero or tiny slice). inf and NaN elements do not set it: they stay
-    non-finite through the product, as they would in float32."""
+def finite_amax(x: Array, axes: tuple[int, ...]) -> Array:
+    """The largest finite magnitude of `x` over `axes` (kept as size-1 axes), in
+    float32; 0 for a slice with none."""
     magnitude = jnp.abs(x.astype(jnp.float32))
     finite = jnp.where(jnp.isfinite(magnitude), magnitude, 0.0)
-    amax = jnp.max(finite, axis=axes, keepdims=True, initial=0.0)
+    return jnp.max(finite, axis=axes, keepdims=True, initial=0.0)
+
+
+def scale_from_amax(amax: Array, dtype: np.dtype) -> Array:
+    """float32 scale mapping `amax` to the largest finite value of `dtype`, at most
+    `MAX_SCALE` (an all-zero or tiny slice). inf and NaN elements do not set it:
+    they stay non-finite through the product, as they would in float32."""
     largest = float(jnp.finfo(dtype).max)
     # Dividing by at least `largest / MAX_SCALE` cannot overflow: no inf scale,
     # whose `0 * inf` would make the whole product NaN.
     return largest / jnp.maximum(amax, largest / MAX_SCALE)
 
 
-def quantize(x: Array, dtype: np.dtype, axes: tuple[int, ...]) -> tuple[Array, Array]:
-    scale = _scale(x, dtype, axes)
+def quantize_with(x: Array, scale: Array, dtype: np.dtype) -> Array:
+    """`x * scale` in `dtype`, clipped to its finite range."""
     largest = float(jnp.finfo(dtype).max)
     scaled = x.astype(jnp.float32) * scale
     # Rounding can step just past the largest finite value, which e4m3fn would make
     # NaN; inf and NaN pass on (inf becomes NaN in e4m3fn, which has no inf).
     clipped = jnp.clip(scaled, -largest, largest)
     scaled = jnp.where(jnp.isfinite(scaled), clipped, scaled)
-    return scaled.astype(dtype), scale
+    return scaled.astype(dtype)
+
+
+def quantize(x: Array, dtype: np.dtype, axes: tuple[int, ...]) -> tuple[Array, Array]:
+    """`x` in `dtype`, with its float32 scale from the amax over `axes`."""
+    scale = scale_from_amax(finite_amax(x, axes), dtype)
+    return quantize_with(x, scale, dtype), scale
 
 
 def unscale(product: Array, inverse_a: Array, inverse_b: Array) -> Array:
