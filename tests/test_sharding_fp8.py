@@ -1,0 +1,238 @@
+"""fp8 at scale (issue 29): weights that feed fp8 products are quantised on their
+shard with their whole weight's scale and all-gathered in fp8, on both engines.
+
+Fast: `gather_params(..., fp8=...)` on a one-device mesh (the collectives it binds,
+its numbers, its errors), and the dtype fp8 matmuls' backward products emit.
+Slow: the sharded benchmark's fp8 cases on 8 CPU devices (one subprocess), read
+from the programs right after SPMD partitioning.
+"""
+
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import eqx_amp
+
+from .helpers import global_rel_error, run_repo_script, walk_eqns
+
+
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+FP8 = eqx_amp.fp8.TENSORWISE
+
+
+class _Net(eqx.Module):
+    up: eqx.nn.Linear
+    norm: eqx.nn.LayerNorm
+    down: eqx.nn.Linear
+
+    def __init__(self, key, width=32):
+        k1, k2 = jr.split(key)
+        self.up = eqx.nn.Linear(width, 2 * width, key=k1)
+        self.norm = eqx.nn.LayerNorm(2 * width)
+        self.down = eqx.nn.Linear(2 * width, width, key=k2)
+
+    def __call__(self, x):
+        return self.down(self.norm(jax.nn.relu(self.up(x))))
+
+
+def _mesh():
+    return jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _step(static, specs, fp8, **options):
+    def loss(shards, x):
+        gathered = eqx_amp.sharding.gather_params(
+            shards, "data", specs=specs, fp8=fp8, **options
+        )
+        model = eqx_amp.filter_amp(eqx.combine(gathered, static), fp8=FP8)
+        out = jax.vmap(model)(x)
+        return jax.lax.pmean(jnp.mean(out.astype(jnp.float32) ** 2), "data")
+
+    return jax.shard_map(
+        jax.grad(loss), mesh=_mesh(), in_specs=(specs, P()), out_specs=specs
+    )
+
+
+def _collectives(jaxpr) -> list[tuple[str, jnp.dtype, tuple]]:
+    names = ("all_gather", "reduce_scatter", "psum_scatter", "pmax")
+    return [
+        (e.primitive.name, e.invars[0].aval.dtype, e.invars[0].aval.shape)
+        for e, _ in walk_eqns(jaxpr)
+        if e.primitive.name in names
+    ]
+
+
+def test_fp8_gather_quantises_shards_with_one_pmax_and_reduces_in_bf16(getkey):
+    model = _Net(getkey())
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    specs = jax.tree_util.tree_map(lambda _: P("data"), params)
+    x = jr.normal(getkey(), (64, 32))
+    step = _step(static, specs, FP8)
+    found = _collectives(jax.make_jaxpr(step)(params, x))
+    # The two Linear weights gather in fp8; their biases and the norm as before.
+    assert sorted(s for n, d, s in found if n == "all_gather" and d == E4M3) == [
+        (32, 64),
+        (64, 32),
+    ]
+    assert {d for n, d, s in found if n == "all_gather" and d != E4M3} <= {BF16, F32}
+    # One pmax for both weights' amaxes.
+    assert [(d, s) for n, d, s in found if n == "pmax"] == [(F32, (2,))]
+    # Gradients are reduce-scattered in the reduce dtype, returned in float32.
+    assert {d for n, d, s in found if "scatter" in n} == {BF16, F32}
+    grads = step(params, x)
+    assert {g.dtype for g in jax.tree_util.tree_leaves(grads)} == {F32}
+    # As accurate as the one-device fp8 step (whose products quantise the weights'
+    # bfloat16 copies: other roundings, the same error).
+    one_device = jax.grad(
+        lambda p: jnp.mean(
+            jax.vmap(eqx_amp.filter_amp(eqx.combine(p, static), fp8=FP8))(x) ** 2
+        )
+    )(params)
+    reference = jax.grad(lambda p: jnp.mean(jax.vmap(eqx.combine(p, static))(x) ** 2))(
+        params
+    )
+    assert (
+        global_rel_error(grads, reference)
+        < 1.1 * global_rel_error(one_device, reference) + 1e-3
+    )
+
+
+def test_gathered_fp8_weights_quantise_again_to_the_same_values(getkey):
+    """The gather hands the fp8 weight on in the compute dtype; the fp8 product
+    quantises that again, with its own amax, to exactly the gathered fp8 values."""
+    w = jr.normal(getkey(), (64, 32)) * 3.0
+    w = w.at[0, 0].set(1e-9).at[1, 1].set(-57.0)
+    quantized, scale = FP8.quantize_shard(w, FP8.shard_amax(w))
+    gathered = FP8.dequantize(quantized, scale, BF16)
+    again, _ = FP8.quantize_shard(gathered, FP8.shard_amax(gathered))
+    assert again.dtype == E4M3
+    assert (again.astype(F32) == quantized.astype(F32)).all()
+
+
+def test_fp8_gather_errors_name_the_leaf(getkey):
+    model = _Net(getkey())
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    specs = jax.tree_util.tree_map(lambda _: P("data"), params)
+    x = jr.normal(getkey(), (8, 32))
+
+    def trace(fp8, **options):
+        jax.make_jaxpr(_step(static, specs, fp8, **options))(params, x)
+
+    with pytest.raises(TypeError, match="one scale for all of it"):
+        trace(eqx_amp.fp8.ROWWISE)
+    with pytest.raises(TypeError, match="`fp8` must be eqx_amp.fp8.TENSORWISE"):
+        trace("fp8")
+    with pytest.raises(ValueError, match="compute dtype, which must be bfloat16"):
+        trace(FP8, policy=eqx_amp.Policy(F32, jnp.float8_e4m3fn, F32))
+    # A weight `fp8_filter` picks that cannot be gathered in fp8, by name.
+    odd = eqx.partition(_Net(getkey(), width=24), eqx.is_inexact_array)
+    odd_specs = jax.tree_util.tree_map(lambda _: P("data"), odd[0])
+    with pytest.raises(ValueError, match=r"the weight \.up\.weight .* multiple of 16"):
+        jax.make_jaxpr(
+            _step(odd[1], odd_specs, FP8, fp8_filter=lambda m: m is not None)
+        )(odd[0], jr.normal(getkey(), (8, 24)))
+    with pytest.raises(ValueError, match=r"\.up\.weight .*`filter_spec` keeps it"):
+        trace(FP8, fp8_filter=lambda m: m is not None, filter_spec=False)
+    # By default such a weight gathers as without fp8; if none is left, it says so.
+    with pytest.raises(ValueError, match="found no weight to gather in fp8"):
+        jax.make_jaxpr(_step(odd[1], odd_specs, FP8))(
+            odd[0], jr.normal(getkey(), (8, 24))
+        )
+    with pytest.raises(ValueError, match="found no weight to gather in fp8"):
+        trace(FP8, fp8_filter=lambda m: isinstance(m, eqx.nn.Embedding))
+
+
+def test_fp8_gather_refuses_a_non_floating_weight_by_name(getkey):
+    class Table(eqx.Module):
+        weight: jax.Array
+
+    tree = {"table": Table(jnp.ones((16, 16), jnp.int32))}
+    specs = {"table": Table(P("data"))}
+
+    def gather(shards):
+        return eqx_amp.sharding.gather_params(
+            shards, "data", specs=specs, fp8=FP8, fp8_filter=lambda m: True
+        )
+
+    step = jax.shard_map(gather, mesh=_mesh(), in_specs=(specs,), out_specs=specs)
+    with pytest.raises(TypeError, match=r"\['table'\]\.weight .* not floating"):
+        jax.make_jaxpr(step)(tree)
+
+
+def test_fp8_backward_products_emit_the_reduce_dtype(getkey):
+    """Under GSPMD a weight gradient is summed across devices on the output of the
+    product that makes it: fp8 roads emit it in the policy's reduce dtype."""
+    model = _Net(getkey())
+    x = jr.normal(getkey(), (16, 32))
+
+    def backward_dtypes(policy):
+        def loss(m):
+            forward = eqx_amp.autocast(
+                eqx.filter_vmap(m), policy=policy, rules={jax.lax.dot_general_p: FP8}
+            )
+            return jnp.mean(forward(x).astype(jnp.float32) ** 2)
+
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(model)
+        return {
+            e.params["preferred_element_type"]
+            for e, _ in walk_eqns(jaxpr)
+            if e.primitive.name == "dot_general"
+            and e.invars[0].aval.dtype.itemsize == 1
+        }
+
+    bf16 = eqx_amp.get_policy("mixed_bfloat16")
+    assert backward_dtypes(bf16) == {F32, BF16}  # the forward products: float32
+    assert backward_dtypes(bf16.with_reduce_dtype(jnp.float32)) == {F32}
+
+
+#
+# 8 devices.
+#
+
+
+@pytest.fixture(scope="module")
+def fp8_rows() -> list[dict]:
+    out = run_repo_script("benchmarks/sharded.py", "--fp8", "--json", "-")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _row(rows, **where):
+    (found,) = [r for r in rows if all(r[k] == v for k, v in where.items())]
+    return found
+
+
+def _bytes(row, group, dtypes=None):
+    by_dtype = row["collectives"].get(group, {})
+    return sum(b for d, b in by_dtype.items() if dtypes is None or d in dtypes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["autocast", "filter_amp"])
+@pytest.mark.parametrize("mesh", ["fsdp", "fsdp_tp"])
+@pytest.mark.parametrize("engine", ["jit", "shard_map"])
+def test_fp8_weights_gather_in_fp8_on_eight_devices(fp8_rows, path, mesh, engine):
+    where = dict(mesh=mesh, engine=engine)
+    row = _row(fp8_rows, variant=path, dtype="fp8", **where)
+    bf16 = _row(fp8_rows, variant="autocast", dtype="bf16", **where)
+    gathers = row["collectives"]["param_gather"]
+    # Weights feeding fp8 products gather in fp8; the rest (embedding, biases) in
+    # bfloat16; never float32.
+    assert gathers.get("f8e4m3fn", 0) > 0
+    assert set(gathers) <= {"f8e4m3fn", "bf16"}
+    ratio = _bytes(row, "param_gather") / _bytes(bf16, "param_gather")
+    assert ratio <= (0.55 if mesh == "fsdp" else 0.65), ratio
+    # Gradients are reduced in bfloat16 (the default reduce dtype), as bf16's are.
+    assert row["collectives"]["grad_reduce"] == bf16["collectives"]["grad_reduce"]
+    # They land where the bfloat16 step's do, and are as accurate as one device's
+    # fp8 gradients (up to the bfloat16 reductions bfloat16's steps pay too).
+    assert row["grad_shardings"] == bf16["grad_shardings"]
+    assert row["grad_error"] < 1.05 * row["grad_error_one_device"]
+    if engine == "shard_map" and mesh == "fsdp":
+        # One all-reduce of all the weights' amaxes together.
+        assert row["small_all_reduces"] == bf16["small_all_reduces"] + 1
