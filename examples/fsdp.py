@@ -29,6 +29,12 @@ time per step and the memory XLA allocates per device.
     python examples/fsdp.py
     python examples/fsdp.py --dtype float16 --reduce-dtype float32 --steps 300
     python examples/fsdp.py --mesh 8x1          # FSDP only
+    python examples/fsdp.py --fp8               # and in fp8: `filter_amp(..., fp8=)`
+
+With `--fp8` a third run multiplies in fp8 (`filter_amp(..., fp8=
+eqx_amp.fp8.TENSORWISE)`, bfloat16 elsewhere): XLA's partitioner then all-gathers the
+weights already quantised to fp8 (each with its whole weight's scale), half
+bfloat16's bytes, and the weight gradients are reduced in bfloat16.
 
 On several hosts, run the same command on each with `--multi-host` (it calls
 `jax.distributed.initialize()`, which reads the coordinator from the cluster's
@@ -70,6 +76,7 @@ import eqx_amp  # noqa: E402
 
 
 DATA, MODEL = "data", "model"
+FP8 = eqx_amp.fp8.TENSORWISE
 TEXT = pathlib.Path(__file__).resolve().parent / "data" / "alice29.txt"
 
 
@@ -198,23 +205,23 @@ def cross_entropy(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def forward(policy, params, static, inputs):
+def forward(policy, params, static, inputs, fp8=None):
     """The logits of a batch; `policy=None` is float32. `filter_amp` wraps the
     batched model (not the other way round): the blocks are scanned and
     rematerialised, and a `jax.vmap` outside `filter_amp` would batch those
     bodies after eqx_amp traced them, which a `reduce_dtype` cannot see into."""
     model = eqx.filter_vmap(eqx.combine(params, static))
     if policy is not None:
-        model = eqx_amp.filter_amp(model, policy=policy)
+        model = eqx_amp.filter_amp(model, policy=policy, fp8=fp8)
     return model(inputs)
 
 
-def make_step(policy: eqx_amp.Policy | None, optimizer, shardings):
+def make_step(policy: eqx_amp.Policy | None, optimizer, shardings, fp8=None):
     """One training step. `policy=None` is the float32 baseline."""
     scaled = policy is not None and policy.compute_dtype == jnp.float16
 
     def loss_fn(params, static, inputs, targets):
-        return cross_entropy(forward(policy, params, static, inputs), targets)
+        return cross_entropy(forward(policy, params, static, inputs, fp8), targets)
 
     def step(params, opt_state, static, inputs, targets):
         if scaled:
@@ -253,7 +260,7 @@ def put_batch(inputs, targets, sharding):
     )
 
 
-def train(name, policy, args, mesh, vocab, train_ids, val_ids):
+def train(name, policy, args, mesh, vocab, train_ids, val_ids, fp8=None):
     model = GPT(
         vocab, args.dim, args.heads, args.layers, args.block, key=jr.key(args.seed)
     )
@@ -265,7 +272,7 @@ def train(name, policy, args, mesh, vocab, train_ids, val_ids):
         optimizer = eqx_amp.loss_scaling(optimizer)
     opt_state = optimizer.init(params)
     batch_sharding = NamedSharding(mesh, P(DATA, None))
-    step = make_step(policy, optimizer, shardings)
+    step = make_step(policy, optimizer, shardings, fp8)
 
     first = put_batch(
         *next(batches(train_ids, 1, args.batch, args.block, 0)), batch_sharding
@@ -285,7 +292,7 @@ def train(name, policy, args, mesh, vocab, train_ids, val_ids):
 
     @ft.partial(jax.jit, static_argnums=1)
     def val_loss(params, static, inputs, targets):
-        return cross_entropy(forward(policy, params, static, inputs), targets)
+        return cross_entropy(forward(policy, params, static, inputs, fp8), targets)
 
     val = [
         float(val_loss(params, static, *put_batch(i, t, batch_sharding)))
@@ -324,7 +331,12 @@ def main(argv=None):
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--multi-host", action="store_true")
+    parser.add_argument(
+        "--fp8", action="store_true", help="also train with fp8 matmuls (bfloat16)"
+    )
     args = parser.parse_args(argv)
+    if args.fp8 and (args.dtype, args.reduce_dtype) != ("bfloat16", "compute"):
+        sys.exit("--fp8 runs with --dtype bfloat16 and --reduce-dtype compute.")
     if args.multi_host:
         jax.distributed.initialize()
 
@@ -351,6 +363,10 @@ def main(argv=None):
         "fp32": train("fp32", None, args, mesh, vocab, ids[:split], ids[split:]),
         "amp": train("amp", policy, args, mesh, vocab, ids[:split], ids[split:]),
     }
+    if args.fp8:
+        runs["fp8"] = train(
+            "fp8", policy, args, mesh, vocab, ids[:split], ids[split:], FP8
+        )
     print(
         f"\n{len(devices)} x {devices[0].device_kind} as {n_data} data x {n_model} "
         f"model; policy {policy}"
@@ -371,7 +387,13 @@ def main(argv=None):
             f"time {amp['step'] / fp32['step']:.2f}x, "
             f"val loss {amp['val'] - fp32['val']:+.4f}"
         )
-    if not (amp["finite"] and fp32["finite"]):
+    if "fp8" in runs:
+        fp8 = runs["fp8"]
+        print(
+            f"fp8/amp: val loss {fp8['val'] / amp['val'] - 1:+.2%}, "
+            f"train loss {fp8['train'] / amp['train'] - 1:+.2%}"
+        )
+    if not all(r["finite"] for r in runs.values()):
         sys.exit("a loss was not finite")
 
 
