@@ -11,7 +11,8 @@ one (benchmarks/h100_aot.py). Needs the CUDA plugin, not a GPU:
 - FSDP over 8 H100s: the half-precision roads all-gather what hand-cast does, in
   their half dtype, and nothing in float32 (a float16 step's skipping once made XLA
   gather the whole float32 state every step); the fp8 roads all-gather their
-  weights in fp8, at most 0.55x hand-cast's bytes.
+  weights in fp8, at most 0.55x hand-cast's bytes, and reduce their weight
+  gradients in bfloat16 as hand-cast does.
 """
 
 import importlib.util
@@ -156,12 +157,17 @@ def test_bfloat16_roads_compile_to_the_hand_cast_kernels(compiled, model, road):
     assert ours["default"]["temp_bytes"] <= 1.02 * hand["default"]["temp_bytes"]
 
 
-def _gathered(collectives: dict) -> dict:
+def _collected(collectives: dict, kind: str) -> dict:
+    """Bytes by dtype of one kind of collective."""
     return {
         k.split()[1]: v
         for k, v in collectives.items()
-        if k.startswith("all-gather ") and not k.endswith("count")
+        if k.startswith(kind + " ") and not k.endswith("count")
     }
+
+
+def _gathered(collectives: dict) -> dict:
+    return _collected(collectives, "all-gather")
 
 
 @pytest.mark.parametrize("road", FSDP_HALF_ROADS)
@@ -179,3 +185,7 @@ def test_fsdp_fp8_roads_gather_their_weights_in_fp8(compiled, road):
     ours = _gathered(compiled["fsdp"][road])
     assert "f32" not in ours and ours["f8e4m3fn"] > 0
     assert sum(ours.values()) <= 0.55 * hand
+    # The weight gradients are reduced as hand-cast reduces them, in bfloat16 (the
+    # fp8 backward products emit the reduce dtype), never in float32.
+    reduced = _collected(compiled["fsdp"][road], "reduce-scatter")
+    assert reduced == _collected(compiled["fsdp"]["hand_bf16"], "reduce-scatter")
