@@ -102,6 +102,20 @@ def test_fsdp_trains_on_a_two_dimensional_mesh():
         assert np.isfinite(float(cells[1])) and np.isfinite(float(cells[2]))
 
 
+def test_fsdp_trains_in_fp8():
+    out = _run_example(
+        "fsdp.py",
+        *("--steps", "6", "--dim", "32", "--layers", "2", "--batch", "16"),
+        *("--block", "16", "--fp8"),
+    )
+    rows = [line for line in out.splitlines() if line.startswith("| fp8")]
+    assert len(rows) == 1
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[-1] == "True"  # the weights kept their shardings
+    assert np.isfinite(float(cells[1])) and np.isfinite(float(cells[2]))
+    assert "fp8/amp: val loss" in out
+
+
 def test_fp8_training_tracks_bfloat16_and_the_ablation_does_not():
     pytest.importorskip("sklearn")
     out = _run_example("fp8_training.py", "--seeds", "1", "--steps", "30")
