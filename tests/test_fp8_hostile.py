@@ -493,3 +493,29 @@ def test_report_of_an_fp8_convolution_counts_its_backward_convolutions_as_bfloat
     for got, want in zip(grads, reference):
         assert jnp.all(jnp.isfinite(got))
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.15
+
+
+@pytest.mark.parametrize("road", ["autocast", "filter_amp"])
+def test_float16_policies_give_finite_fp8_gradients(road):
+    """The backward products emit the reduce dtype before their scales are applied;
+    float16 cannot hold those sums (448 * 57344 * K), so they emit float32 there,
+    where bfloat16 policies emit bfloat16."""
+    x = _normal(jr.key(20), (64, 256))
+    linear = eqx.nn.Linear(256, 64, use_bias=False, key=jr.key(21))
+
+    if road == "autocast":
+        rules = {jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE}
+        forward = eqx_amp.autocast(linear, policy="mixed_float16", rules=rules)
+    else:
+        forward = eqx_amp.filter_amp(
+            linear, policy="mixed_float16", fp8=eqx_amp.fp8.TENSORWISE
+        )
+
+    def loss(x, model):
+        return jnp.sum(jax.vmap(model)(x).astype(jnp.float32) ** 2)
+
+    grad = eqx.filter_grad(lambda x: loss(x, forward))
+    assert "float8_e5m2" in str(jax.make_jaxpr(grad)(x))  # the products are fp8
+    got, want = grad(x), eqx.filter_grad(lambda x: loss(x, linear))(x)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.1

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array
 
@@ -156,6 +157,17 @@ def _transposed(linear: Any, like: Any, cotangent: Array) -> Array:
     return jax.linear_transpose(linear, aval)(cotangent)[0]
 
 
+def product_dtype(dtype: Any) -> np.dtype:
+    """The dtype a backward fp8 product emits, before its scales are applied:
+    `dtype` if it has bfloat16's range, else float32. The sums of scaled values
+    reach 448 * 57344 * the contracted size, past float16's 65504: a float16
+    product would be inf where the gradient is finite."""
+    dtype = jnp.dtype(dtype)
+    if jnp.finfo(dtype).max >= jnp.finfo(jnp.bfloat16).max:
+        return dtype
+    return jnp.dtype(jnp.float32)
+
+
 def _rowwise_cotangent(cotangent, lhs, rhs, dims, of_lhs: bool, dtype) -> Array:
     """The cotangent of one operand of a rowwise fp8 matmul: the output cotangent
     and the other operand quantised per row of this backward product (amax over the
@@ -183,7 +195,9 @@ def _rowwise_cotangent(cotangent, lhs, rhs, dims, of_lhs: bool, dtype) -> Array:
 
 def fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
     """The fp8 matmul for one set of static arguments, with its derivative rule,
-    whose products emit `grad_dtype` (the dtype GSPMD reduces gradients in)."""
+    whose products emit `grad_dtype` (the dtype GSPMD reduces gradients in) where
+    it has the range of their still-scaled sums, else float32."""
+    grad_dtype = product_dtype(grad_dtype)
 
     @jax.custom_vjp
     def matmul(lhs, rhs):
