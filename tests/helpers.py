@@ -241,3 +241,15 @@ def global_rel_error(a, b):
 
 def ops_in(jaxpr, name):
     return [in_dtypes(e) for e, _ in eqns_named(jaxpr, name)]
+
+
+def benchmark_row(rows: list[dict], **where) -> dict:
+    """The one row of `benchmarks/sharded.py --json` whose fields match `where`."""
+    (found,) = [r for r in rows if all(r[k] == v for k, v in where.items())]
+    return found
+
+
+def collective_bytes(row: dict, group: str, dtypes=None) -> int:
+    """Bytes of one group of a row's collectives, of `dtypes` (all when None)."""
+    by_dtype = row["collectives"].get(group, {})
+    return sum(b for d, b in by_dtype.items() if dtypes is None or d in dtypes)

@@ -17,6 +17,8 @@ import eqx_amp
 
 from . import doc_blocks
 from .helpers import (
+    benchmark_row,
+    collective_bytes,
     global_rel_error,
     run_repo_script,
     run_script_on_eight_devices,
@@ -419,16 +421,6 @@ def sharded_rows(mesh: str, engine: str) -> list[dict]:
     return _SHARDED_ROWS[mesh, engine]
 
 
-def _row(rows, **where):
-    (found,) = [r for r in rows if all(r[k] == v for k, v in where.items())]
-    return found
-
-
-def _bytes(row, group, dtypes=None):
-    by_dtype = row["collectives"].get(group, {})
-    return sum(b for d, b in by_dtype.items() if dtypes is None or d in dtypes)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["filter_amp", "autocast", "bimodel"])
 @pytest.mark.parametrize("mesh", ["fsdp", "fsdp_tp"])
@@ -437,18 +429,22 @@ def _bytes(row, group, dtypes=None):
 def test_sharded_steps_on_eight_devices(path, mesh, engine, dtype):
     rows = sharded_rows(mesh, engine)
     where = dict(mesh=mesh, engine=engine, dtype=dtype)
-    row = _row(rows, variant=path, **where)
-    hand = _row(rows, variant="hand", **where)
-    fp32 = _row(rows, variant="fp32", mesh=mesh, engine=engine)
+    row = benchmark_row(rows, variant=path, **where)
+    hand = benchmark_row(rows, variant="hand", **where)
+    fp32 = benchmark_row(rows, variant="fp32", mesh=mesh, engine=engine)
     # Weights are cast before they are gathered: half the bytes of float32, no more
     # than the hand-cast step (float32 only for the norm layers, as by hand).
     gathers = row["collectives"]["param_gather"]
     assert set(gathers) <= {dtype, "f32"}
-    assert _bytes(row, "param_gather") <= _bytes(hand, "param_gather")
-    assert _bytes(row, "param_gather", {"f32"}) <= _bytes(hand, "param_gather", {"f32"})
-    assert _bytes(row, "param_gather") <= 0.5 * _bytes(fp32, "param_gather") + _bytes(
+    assert collective_bytes(row, "param_gather") <= collective_bytes(
+        hand, "param_gather"
+    )
+    assert collective_bytes(row, "param_gather", {"f32"}) <= collective_bytes(
         hand, "param_gather", {"f32"}
     )
+    assert collective_bytes(row, "param_gather") <= 0.5 * collective_bytes(
+        fp32, "param_gather"
+    ) + collective_bytes(hand, "param_gather", {"f32"})
     # Gradients are reduced in the dtype asked for: bfloat16 cases keep the compute
     # dtype (as by hand, the same bytes), float16 cases ask for float32.
     reductions = row["collectives"]["grad_reduce"]

@@ -18,7 +18,13 @@ from jax.sharding import PartitionSpec as P
 
 import eqx_amp
 
-from .helpers import global_rel_error, run_repo_script, walk_eqns
+from .helpers import (
+    benchmark_row,
+    collective_bytes,
+    global_rel_error,
+    run_repo_script,
+    walk_eqns,
+)
 
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
@@ -202,16 +208,6 @@ def fp8_rows() -> list[dict]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _row(rows, **where):
-    (found,) = [r for r in rows if all(r[k] == v for k, v in where.items())]
-    return found
-
-
-def _bytes(row, group, dtypes=None):
-    by_dtype = row["collectives"].get(group, {})
-    return sum(b for d, b in by_dtype.items() if dtypes is None or d in dtypes)
-
-
 # A BiModel's fp8 step on the jit engine only (the benchmark's shard_map step runs
 # the gathered compute copy without fp8 products).
 _ROADS = [
@@ -227,14 +223,16 @@ _ROADS = [
 @pytest.mark.parametrize("mesh", ["fsdp", "fsdp_tp"])
 def test_fp8_weights_gather_in_fp8_on_eight_devices(fp8_rows, path, mesh, engine):
     where = dict(mesh=mesh, engine=engine)
-    row = _row(fp8_rows, variant=path, dtype="fp8", **where)
-    bf16 = _row(fp8_rows, variant="autocast", dtype="bf16", **where)
+    row = benchmark_row(fp8_rows, variant=path, dtype="fp8", **where)
+    bf16 = benchmark_row(fp8_rows, variant="autocast", dtype="bf16", **where)
     gathers = row["collectives"]["param_gather"]
     # Weights feeding fp8 products gather in fp8; the rest (embedding, biases) in
     # bfloat16; never float32.
     assert gathers.get("f8e4m3fn", 0) > 0
     assert set(gathers) <= {"f8e4m3fn", "bf16"}
-    ratio = _bytes(row, "param_gather") / _bytes(bf16, "param_gather")
+    ratio = collective_bytes(row, "param_gather") / collective_bytes(
+        bf16, "param_gather"
+    )
     assert ratio <= (0.55 if mesh == "fsdp" else 0.65), ratio
     # Gradients are reduced in bfloat16 (the default reduce dtype), as bf16's are.
     assert row["collectives"]["grad_reduce"] == bf16["collectives"]["grad_reduce"]
