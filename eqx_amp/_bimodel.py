@@ -35,11 +35,11 @@ from ._core._cast import (
     overflowing_leaves,
     warn_if_cast_overflows,
 )
-from ._core._describe import is_none
+from ._core._describe import in_selected_modules, is_none
 from ._core._filters import FilterSpec, default_filter_spec, selection_mask
 from ._core._policy import Policy, resolve_policy
 from ._core._wrapper import user_stacklevel
-from ._filter_amp._filter_amp import check_fp8_options, filter_amp, fp8_selection
+from ._filter_amp._filter_amp import check_fp8_options, filter_amp
 from ._fp8 import Fp8Rule
 from ._loss_scaling._scaled_step import GradThrough
 from ._optim._updates import add_in_float32, paired_leaves
@@ -367,7 +367,7 @@ def _fp8_selection(
     without a filter (every module)."""
     if fp8_filter is None:
         return None
-    selection = fp8_selection(model, fp8_filter)
+    selection = in_selected_modules(model, fp8_filter)
     arrays = map(eqx.is_array, jtu.tree_leaves(model))
     if not any(s and a for s, a in zip(selection, arrays)):
         warnings.warn(

@@ -27,7 +27,7 @@ from jaxtyping import PyTree
 
 from ._core._axes import check_axis_name, unbound_axis_name_error
 from ._core._cast import cast_leaf, is_floating_array, widest_dtype
-from ._core._describe import describe, is_module, is_none
+from ._core._describe import describe, in_selected_modules, is_none
 from ._core._filters import FilterSpec, default_filter_spec, selection_mask
 from ._core._policy import Policy, resolve_policy
 from ._jaxpr import _compat as compat
@@ -451,20 +451,12 @@ def _default_fp8_filter(module: Any) -> bool:
 def _fp8_amaxes(shards, axis_name, dims, mask, fp8, fp8_filter) -> PyTree:
     """For each leaf: the amax of the whole weight it is a shard of, if it is
     gathered in fp8, else None. The amaxes of all of them take one `pmax`."""
-    chosen_by = _default_fp8_filter if fp8_filter is None else fp8_filter
-
-    def chosen(node):
-        return is_module(node) and bool(chosen_by(node))
-
-    def mark(n):
-        return jtu.tree_map(lambda _: True, n) if chosen(n) else False
-
-    in_chosen = jtu.tree_map(mark, shards, is_leaf=chosen)
+    chosen = in_selected_modules(shards, fp8_filter or _default_fp8_filter)
     flat, treedef = jtu.tree_flatten_with_path(shards)
     size = lax.axis_size(axis_name)
     picked = []
     for (path, leaf), dim, cast, wanted in zip(
-        flat, *(treedef.flatten_up_to(t) for t in (dims, mask, in_chosen))
+        flat, *(treedef.flatten_up_to(t) for t in (dims, mask)), chosen
     ):
         if not (wanted and eqx.is_array(leaf) and leaf.ndim >= 2 and dim is not None):
             picked.append(False)

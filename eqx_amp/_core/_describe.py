@@ -31,5 +31,19 @@ def is_module(node: Any) -> bool:
     return isinstance(node, eqx.Module)
 
 
+def in_selected_modules(tree: Any, predicate: Any) -> tuple[bool, ...]:
+    """One bool per leaf of `tree`: whether it is in a module `predicate` selects,
+    asked from the outside in (a module it selects is selected whole)."""
+
+    def picked(node: Any) -> bool:
+        return is_module(node) and bool(predicate(node))
+
+    return tuple(
+        flag
+        for node in jax.tree_util.tree_leaves(tree, is_leaf=picked)
+        for flag in [picked(node)] * len(jax.tree_util.tree_leaves(node))
+    )
+
+
 def is_none(x: Any) -> bool:
     return x is None

@@ -25,7 +25,7 @@ from .._core._cast import (
     warn_if_cast_overflows,
     warn_of_overflow,
 )
-from .._core._describe import is_module
+from .._core._describe import in_selected_modules, is_module
 from .._core._filters import (
     FULL_PRECISION_SCOPE,
     FilterSpec,
@@ -35,7 +35,6 @@ from .._core._filters import (
 from .._core._policy import Policy, get_policy, resolve_policy
 from .._core._wrapper import FunctionWrapper, check_callable, user_stacklevel
 from .._jaxpr._evaluate import evaluate_function
-from .._jaxpr._hook import Origin, leaf_origins
 from .._sharding import ReduceInHook
 from ._boundary import call_at
 from ._view import amp_view, cast_arguments, check_mutable_captures, is_pytree_node
@@ -159,16 +158,6 @@ def _arrays_of_selected(
 def _children(node: Any) -> list[Any]:
     """The leaves of `node`, its submodules (other than itself) counted as leaves."""
     return jtu.tree_leaves(node, is_leaf=lambda x: x is not node and is_module(x))
-
-
-def fp8_selection(tree: Any, fp8_filter: Callable[[Any], Any]) -> tuple[bool, ...]:
-    """One bool per leaf of `tree`: in a module `fp8_filter` selects, asked from the
-    outside in (a module it selects is selected whole)."""
-
-    def picked(node: Any) -> bool:
-        return is_module(node) and bool(fp8_filter(node))
-
-    return tuple(origin is Origin.PARAMS for origin in leaf_origins(tree, picked))
 
 
 def _warn_fp8_filter_selects_nothing(copies: list[tuple[Any, Any]]) -> None:
@@ -327,7 +316,7 @@ def filter_amp(
     fp8_selected = None
     if fp8_filter is not None and (isinstance(fn, eqx.Module) or is_pytree_node(fn)):
         # Asked now, of the module given: the wrapper below holds a rebuilt copy.
-        fp8_selected = fp8_selection(fn, fp8_filter)
+        fp8_selected = in_selected_modules(fn, fp8_filter)
     wrapper = AmpWrapper(
         cast(Callable, fn),  # the `isinstance` above narrowed it to a Module
         policy,
