@@ -243,3 +243,50 @@ def test_fp8_weights_gather_in_fp8_on_eight_devices(fp8_rows, path, mesh, engine
     if engine == "shard_map" and mesh == "fsdp":
         # One all-reduce of all the weights' amaxes together.
         assert row["small_all_reduces"] == bf16["small_all_reduces"] + 1
+
+
+@pytest.mark.parametrize(
+    "case", ["zeros", "tiny", "subnormal", "largest", "one_nan", "one_inf"]
+)
+def test_fp8_gather_edge_values(getkey, case):
+    """The gathered weight of one edge-valued Linear: zeros and tiny weights stay
+    finite (the scale is capped), float32's largest values stay finite, and one
+    inf/NaN makes the step's gradients non-finite rather than finite and wrong."""
+    model = _Net(getkey())
+    w = model.up.weight
+    w = {
+        "zeros": jnp.zeros_like(w),
+        "tiny": jnp.full_like(w, 1e-37),
+        "subnormal": jnp.full_like(w, 1e-40),
+        # The compute dtype's largest (float32's is past bfloat16's, cast or not).
+        "largest": w / jnp.max(jnp.abs(w)) * float(jnp.finfo(BF16).max),
+        "one_nan": w.at[3, 5].set(jnp.nan),
+        "one_inf": w.at[3, 5].set(jnp.inf),
+    }[case]
+    model = eqx.tree_at(lambda m: m.up.weight, model, w)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    specs = jax.tree_util.tree_map(lambda _: P("data"), params)
+
+    def gathered(shards):
+        return eqx_amp.sharding.gather_params(shards, "data", specs=specs, fp8=FP8)
+
+    out = jax.shard_map(gathered, mesh=_mesh(), in_specs=(specs,), out_specs=specs)(
+        params
+    )
+    got = out.up.weight.astype(F32)
+    if case in ("one_nan", "one_inf"):
+        assert not bool(jnp.isfinite(got[3, 5]))
+        grads = _step(static, specs, FP8)(params, jr.normal(getkey(), (16, 32)))
+        assert not all(
+            bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads)
+        )
+        return
+    assert bool(jnp.all(jnp.isfinite(got)))
+    if case == "zeros":
+        assert not bool(jnp.any(got))
+    elif case == "largest":
+        # Within e4m3's relative rounding (2**-4) of bfloat16's copy of the weight.
+        want = w.astype(BF16).astype(F32)
+        assert float(jnp.max(jnp.abs(got - want) / jnp.abs(want).max())) < 2**-3
+    else:  # tiny and subnormal: the capped scale keeps them finite, maybe flushed
+        assert float(jnp.max(jnp.abs(got))) <= 2 * float(jnp.max(jnp.abs(w)))
