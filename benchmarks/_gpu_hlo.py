@@ -317,3 +317,14 @@ def collectives(text: str) -> dict[str, int]:
         for dtype, count in arrays:
             found[f"{kind} {dtype}"] += count * _BYTES.get(_bits(dtype), 0)
     return dict(sorted(found.items()))
+
+
+def all_reduces(text: str) -> list[list[tuple[str, int]]]:
+    """Each all-reduce of a compiled program, in program order, as the dtype and
+    element count of each array it reduces (after XLA's combiners, which merge
+    independent all-reduces into one, of one array or several)."""
+    return [
+        _arrays(inst.type)
+        for inst in parse(text).values()
+        if inst.op in ("all-reduce", "all-reduce-start")
+    ]

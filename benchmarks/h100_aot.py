@@ -173,6 +173,7 @@ def compile_fsdp_variant(model: str, variant: str, size: str, devices: list) -> 
     return {
         "variant": variant,
         "collectives": _gpu_hlo.collectives(text),
+        "all_reduces": _gpu_hlo.all_reduces(text),
         "products": _gpu_hlo.summary(_gpu_hlo.products(text)),
     }
 

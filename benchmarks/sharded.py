@@ -514,7 +514,26 @@ def run(quick: bool = False, only: str | None = None, fp8: bool = False) -> list
     for case in cases(quick, only, fp8):
         print("measuring", case.name, file=sys.stderr, flush=True)
         rows.append(measure(case, model, tokens, reference))
+    _add_fp8_gather_ratios(rows)
     return rows
+
+
+def _add_fp8_gather_ratios(rows: list[dict]) -> None:
+    """For each fp8 row: the bytes of its fp8 weight all-gathers over those of the
+    same weights in the bfloat16 `autocast` step of its mesh and engine (all of
+    that step's weight gathers, less those the fp8 step makes in bfloat16: the
+    weights no fp8 product reads, which gather as they did)."""
+    bf16 = {
+        (r["mesh"], r["engine"]): r["collectives"].get("param_gather", {})
+        for r in rows
+        if r["variant"] == "autocast" and r["dtype"] == "bf16"
+    }
+    for r in rows:
+        gathers = r["collectives"].get("param_gather", {})
+        if r["dtype"] != "fp8" or (r["mesh"], r["engine"]) not in bf16:
+            continue
+        same = sum(bf16[r["mesh"], r["engine"]].values()) - gathers.get("bf16", 0)
+        r["fp8_gather_ratio"] = gathers.get("f8e4m3fn", 0) / same if same else None
 
 
 def _fmt_bytes(by_dtype: dict | None) -> str:
@@ -571,6 +590,14 @@ def main(argv=None) -> None:
         return
     print(f"{len(devices)} x {devices[0].device_kind}, jax {jax.__version__}")
     print(markdown(rows))
+    ratios = [r for r in rows if r.get("fp8_gather_ratio") is not None]
+    if ratios:
+        print("\nfp8 weight all-gathers x the same weights' in bfloat16:")
+        for r in ratios:
+            print(
+                f"  {r['variant']} {r['mesh']} {r['engine']}: "
+                f"{r['fp8_gather_ratio']:.2f}x"
+            )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
 

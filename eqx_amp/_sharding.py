@@ -287,11 +287,11 @@ def _gather_one(
     or marked as varying over the axis (`axis=None`: a replicated leaf, which the
     data it meets varies with). Its gradient is summed across the axis, by a
     reduce-scatter or a psum, in `reduce_dtype` (or in the gradient's own dtype, if
-    that is wider). With `per_device` (`jax.pmap`,
-    `shard_map(check_vma=False)`, a named `jax.vmap`) it is averaged instead. With
-    `fp8` (a tensorwise fp8 rule) and `amax` (the whole weight's), the shard is
-    quantised to fp8, gathered in it, and handed on in the compute dtype; its
-    gradient passes straight through the rounding, as the fp8 product's does."""
+    wider); averaged with `per_device` (`jax.pmap`, `shard_map(check_vma=False)`, a
+    named `jax.vmap`). With `fp8` (a tensorwise fp8 rule) and `amax` (the whole
+    weight's), the shard is quantised to fp8 and gathered in it: fp8 matmuls read
+    those values, other ops read them in the compute dtype. The gradient passes
+    straight through the rounding, as the fp8 product's does."""
 
     def cast(x):
         return x if compute_dtype is None else cast_leaf(x, compute_dtype)
@@ -303,22 +303,25 @@ def _gather_one(
             else leaf
         )
 
+    fp8_values = None  # made without a derivative: `backward` passes it through
+    if amax is not None and axis is not None:
+        quantized, scale = fp8.quantize_shard(lax.stop_gradient(leaf), amax)
+        fp8_values = lax.all_gather(quantized, axis_name, axis=axis, tiled=True), scale
+
     @jax.custom_vjp
-    def gather(leaf, amax):
+    def gather(leaf, fp8_values):
         if axis is None:
             if not _is_manual_axis(axis_name):
                 return cast(leaf)  # `jax.vmap` has no varying types
             return lax.pcast(cast(leaf), axis_name, to="varying")
-        if amax is not None:
-            quantized, scale = fp8.quantize_shard(leaf, amax)
-            gathered = lax.all_gather(quantized, axis_name, axis=axis, tiled=True)
-            return fp8.dequantize(gathered, scale, compute_dtype)
+        if fp8_values is not None:
+            return fp8.dequantize(*fp8_values, compute_dtype)
         return lax.all_gather(cast(leaf), axis_name, axis=axis, tiled=True)
 
-    def forward(leaf, amax):
-        return gather(leaf, amax), amax
+    def forward(leaf, fp8_values):
+        return gather(leaf, fp8_values), fp8_values
 
-    def backward(amax, cotangent):
+    def backward(fp8_values, cotangent):
         cotangent = cotangent.astype(widest_dtype([reduce_dtype, cotangent.dtype]))
         if per_device:
             # Scaled before the sum, as `check_vma=True` scales each device's
@@ -331,10 +334,14 @@ def _gather_one(
             summed = lax.psum_scatter(
                 cotangent, axis_name, scatter_dimension=axis, tiled=True
             )
-        return summed.astype(leaf.dtype), jtu.tree_map(jnp.zeros_like, amax)
+        return summed.astype(leaf.dtype), jtu.tree_map(jnp.zeros_like, fp8_values)
 
     gather.defvjp(forward, backward)
-    return gather(leaf, amax)
+    gathered = gather(leaf, fp8_values)
+    if fp8_values is not None:
+        # The model's fp8 matmuls read the gathered fp8 values themselves.
+        fp8.remember(gathered, *fp8_values)
+    return gathered
 
 
 def gather_params(
@@ -378,12 +385,12 @@ def gather_params(
         means `default_filter_spec(shards)`: norm layers stay in their dtype.
     - `fp8`: `eqx_amp.fp8.TENSORWISE` to all-gather the weights that feed fp8
         products in `float8_e4m3fn`: each shard is quantised with the scale of its
-        whole weight (the amaxes of all these weights take one `pmax` together),
-        gathered in fp8 (half bfloat16's bytes), and handed on in the compute
-        dtype, from which the model's fp8 products (`filter_amp(..., fp8=...)`,
-        an fp8 rule of `autocast`) quantise it again to the same values. The
-        model must run those products in fp8: this argument only moves the
-        bytes. Gradients are reduce-scattered in the reduce dtype as without it.
+        whole weight (the amaxes of all these weights take one `pmax` together)
+        and gathered in fp8 (half bfloat16's bytes). The model's fp8 matmuls
+        (`filter_amp(..., fp8=...)`, an fp8 rule of `autocast`) read those fp8
+        values; other ops read the weight in the compute dtype (which quantises
+        again to the same values). The model must run those products in fp8:
+        this only moves the bytes. Gradients are reduce-scattered as without it.
     - `fp8_filter`: the modules whose weights (arrays of two dimensions or more)
         are gathered in fp8; `None` means `eqx.nn.Linear` and `eqx.nn.Conv` layers
         whose gathered weight has every dimension a multiple of 16 (the others

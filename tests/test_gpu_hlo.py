@@ -129,6 +129,7 @@ ENTRY %main (p: f8e4m3fn[128,512], q: f32[1048576]) -> f32[] {
   %all-gather-done = (f8e4m3fn[1024,512]{1,0}, bf16[512,1024]{1,0}) all-gather-done(%all-gather-start)
   %all-reduce-start = f32[3]{0} all-reduce-start(%q), channel_id=2, to_apply=%add
   %all-reduce-done = f32[3]{0} all-reduce-done(%all-reduce-start)
+  %all-reduce = (f32[], bf16[7]{0}) all-reduce(%q, %q), channel_id=4, to_apply=%add
   %reduce-scatter = bf16[131072]{0} reduce-scatter(%q), channel_id=3, dimensions={0}, to_apply=%add
   ROOT %r = f32[] constant(0)
 }
@@ -141,8 +142,17 @@ def test_collectives_count_what_each_device_receives_by_kind_and_dtype():
         "all-gather bf16": 512 * 1024 * 2,
         "all-gather count": 1,
         "all-gather f8e4m3fn": 1024 * 512,
-        "all-reduce count": 1,
-        "all-reduce f32": 3 * 4,
+        "all-reduce bf16": 7 * 2,
+        "all-reduce count": 2,
+        "all-reduce f32": 3 * 4 + 4,
         "reduce-scatter bf16": 131072 * 2,
         "reduce-scatter count": 1,
     }
+
+
+def test_all_reduces_list_the_arrays_each_one_reduces():
+    assert _gpu_hlo.all_reduces(COLLECTIVES) == [
+        [("f32", 3)],
+        [("f32", 1), ("bf16", 7)],
+    ]
+    assert _gpu_hlo.all_reduces("") == []

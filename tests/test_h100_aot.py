@@ -12,7 +12,8 @@ one (benchmarks/h100_aot.py). Needs the CUDA plugin, not a GPU:
   their half dtype, and nothing in float32 (a float16 step's skipping once made XLA
   gather the whole float32 state every step); the fp8 roads all-gather their
   weights in fp8, at most 0.55x hand-cast's bytes, and reduce their weight
-  gradients in bfloat16 as hand-cast does.
+  gradients in bfloat16 as hand-cast does; `filter_amp(fp8=)` reduces all its
+  weights' amaxes in one all-reduce.
 """
 
 import importlib.util
@@ -96,10 +97,25 @@ SCRIPT = textwrap.dedent(
         },
     }
     devices = h100_aot.h100_devices(8)
-    out["fsdp"] = {
-        v: h100_aot.compile_fsdp_variant("gpt", v, "cpu", devices)["collectives"]
+    fsdp = {
+        v: h100_aot.compile_fsdp_variant("gpt", v, "cpu", devices)
         for v in sys.argv[3].split(",")
     }
+    out["fsdp"] = {v: r["collectives"] for v, r in fsdp.items()}
+    out["fsdp_all_reduces"] = {v: r["all_reduces"] for v, r in fsdp.items()}
+    # The GPT's matrices an fp8 GEMM takes: its Linear layers' weights.
+    import equinox as eqx
+    from _models import PRESETS, make_task
+    model = make_task("gpt", PRESETS["cpu"]["gpt"]).model
+    linears = [
+        m for m in jax.tree.leaves(
+            model, is_leaf=lambda m: isinstance(m, eqx.nn.Linear)
+        )
+        if isinstance(m, eqx.nn.Linear)
+    ]
+    out["fp8_weights"] = sum(
+        all(n % 16 == 0 for n in m.weight.shape) for m in linears
+    )
     print("RESULT" + json.dumps(out))
     """
 )
@@ -189,3 +205,19 @@ def test_fsdp_fp8_roads_gather_their_weights_in_fp8(compiled, road):
     # fp8 backward products emit the reduce dtype), never in float32.
     reduced = _collected(compiled["fsdp"][road], "reduce-scatter")
     assert reduced == _collected(compiled["fsdp"]["hand_bf16"], "reduce-scatter")
+
+
+def test_fsdp_filter_amp_fp8_reduces_every_weight_amax_in_one_all_reduce(compiled):
+    """`filter_amp(fp8=)` quantises each weight once per step, with the amaxes of
+    all of them taken together before any product: XLA's GPU pipeline reduces them
+    across the 8 devices in one all-reduce."""
+    weights = compiled["fp8_weights"]
+    assert weights >= 8
+    all_reduces = compiled["fsdp_all_reduces"]["filter_amp_fp8"]
+    assert all_reduces.count([["f32", weights]]) == 1
+    # Every other all-reduce holds a few values (activations' and gradients'
+    # amaxes, which wait on the data) or is the loss's and the unsharded
+    # gradients' (over a thousand values).
+    for arrays in all_reduces:
+        if arrays != [["f32", weights]]:
+            assert sum(n for _, n in arrays) <= 3 or sum(n for _, n in arrays) > 1000

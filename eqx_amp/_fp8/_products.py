@@ -2,6 +2,7 @@
 scales) and convolutions (tensorwise, fp8 forward only), first-order only."""
 
 import functools as ft
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,38 @@ from ._scaling import E4M3, E5M2, quantize, unscale
 # reads both.
 FP8_SCOPE = "eqx_amp.fp8"
 FP8_SKIPPED_SCOPE = "eqx_amp.fp8_skipped"
+
+
+# Arrays whose fp8 values are already known: a weight all-gathered in fp8
+# (`gather_params(..., fp8=...)`) or quantised once for all of a step's products
+# (`filter_amp(..., fp8=...)`), keyed by `id` (tracers are unhashable) and dropped
+# with the array. A tensorwise fp8 matmul reading one of them reads those fp8
+# values and that scale, so nothing quantises the weight again.
+_known: dict[int, tuple[weakref.ref, Array, Array]] = {}
+
+
+def remember_fp8(array: Array, quantized: Array, scale: Array) -> Array:
+    """Records that `array`'s tensorwise fp8 form is `quantized` with the float32
+    `scale` (a scalar); returns `array`."""
+    key = id(array)
+    _known[key] = (
+        weakref.ref(array, lambda _: _known.pop(key, None)),
+        quantized,
+        scale,
+    )
+    return array
+
+
+def known_fp8(array: Any) -> tuple[Array, Array] | None:
+    """`array`'s fp8 values and scale (shaped to broadcast against it), if
+    recorded."""
+    entry = _known.get(id(array))
+    if entry is None or entry[0]() is not array:
+        return None
+    _, quantized, scale = entry
+    if quantized.shape != array.shape:
+        return None
+    return quantized, jnp.reshape(scale, (1,) * array.ndim)
 
 
 def free_axes(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> list[int]:
@@ -57,14 +90,15 @@ def _output_axes(dims, lhs_ndim: int, rhs_ndim: int):
 
 
 @jax.named_scope(FP8_SCOPE)
-def _fp8_forward(lhs, rhs, dims, scaling, out_dtype):
+def _fp8_forward(lhs, rhs, dims, scaling, out_dtype, known=(None, None)):
     (lc, rc), _ = dims
     if scaling == "tensorwise":
         l_axes, r_axes = tuple(range(lhs.ndim)), tuple(range(rhs.ndim))
     else:  # one scale per row: per output element of the other dims
         l_axes, r_axes = tuple(lc), tuple(rc)
-    ql, sl = quantize(lhs, E4M3, l_axes)
-    qr, sr = quantize(rhs, E4M3, r_axes)
+    known_lhs, known_rhs = known
+    ql, sl = quantize(lhs, E4M3, l_axes) if known_lhs is None else known_lhs
+    qr, sr = quantize(rhs, E4M3, r_axes) if known_rhs is None else known_rhs
     out = _fp8_product(ql, qr, dims)
     lhs_map, rhs_map = _output_axes(dims, lhs.ndim, rhs.ndim)
     out = unscale(
@@ -196,18 +230,27 @@ def _rowwise_cotangent(cotangent, lhs, rhs, dims, of_lhs: bool, dtype) -> Array:
 def fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
     """The fp8 matmul for one set of static arguments, with its derivative rule,
     whose products emit `grad_dtype` (the dtype GSPMD reduces gradients in) where
-    it has the range of their still-scaled sums, else float32."""
+    it has the range of their still-scaled sums, else float32. It is called as
+    `matmul(lhs, rhs, known)`, `known` a pair of `(fp8 values, scale)` or None per
+    operand (`known_fp8`; tensorwise only): those operands are read in that form,
+    and their gradients pass straight through it."""
     grad_dtype = product_dtype(grad_dtype)
 
     @jax.custom_vjp
-    def matmul(lhs, rhs):
-        return _fp8_forward(lhs, rhs, dims, scaling, out_dtype)[0]
+    def matmul(lhs, rhs, known):
+        return _fp8_forward(lhs, rhs, dims, scaling, out_dtype, known)[0]
 
-    def forward(lhs, rhs):
-        return _fp8_forward(lhs, rhs, dims, scaling, out_dtype)
+    def forward(lhs, rhs, known):
+        out, residuals = _fp8_forward(lhs, rhs, dims, scaling, out_dtype, known)
+        return out, (residuals, known)
 
     @jax.named_scope(FP8_SCOPE)
     def backward(residuals, cotangent):
+        residuals, known = residuals
+        grads = _backward(residuals, cotangent)
+        return (*grads, jax.tree.map(jnp.zeros_like, known))
+
+    def _backward(residuals, cotangent):
         residuals, cotangent = _first_order_only((residuals, cotangent))
         if scaling == "tensorwise":
             # Scalar scales come out of the products: fp8 x fp8 GEMMs.

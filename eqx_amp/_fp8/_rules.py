@@ -2,6 +2,7 @@
 shapes an fp8 kernel takes, `eqx_amp.fp8.dot_general`, and the hooks that rebind a
 program's matmuls and convolutions as fp8 ones."""
 
+import functools as ft
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -15,7 +16,15 @@ from .._core._cast import floating_dtype
 from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import batched_like, evaluate_function
 from .._jaxpr._hook import Hook, Origin
-from ._products import FP8_SKIPPED_SCOPE, fp8_conv, fp8_matmul, free_axes
+from ._products import (
+    FP8_SCOPE,
+    FP8_SKIPPED_SCOPE,
+    fp8_conv,
+    fp8_matmul,
+    free_axes,
+    known_fp8,
+    remember_fp8,
+)
 from ._scaling import E4M3, finite_amax, quantize_with, scale_from_amax
 
 
@@ -53,8 +62,15 @@ class Fp8Rule:
         """`fn(*args, **kwargs)` with each matmul that reads one of `params` run as
         an fp8 matmul where its shapes allow one (`filter_amp(..., fp8=...)`, which
         reaches fp8 through this method rather than importing it)."""
+        prepare = None
+        if self.scaling == "tensorwise":
+            prepare = ft.partial(_quantize_weights_once, {id(p) for p in params})
         return evaluate_function(
-            _call, (fn, args, kwargs), Fp8ParamsHook(self.scaling), param_arrays=params
+            _call,
+            (fn, args, kwargs),
+            Fp8ParamsHook(self.scaling),
+            param_arrays=params,
+            prepare=prepare,
         )
 
     # `gather_params(..., fp8=...)` quantises weight shards through these methods
@@ -81,13 +97,18 @@ class Fp8Rule:
     def quantize_shard(self, shard: Array, amax: Array) -> tuple[Array, Array]:
         """A shard in `float8_e4m3fn`, scaled for a weight whose amax is `amax`,
         and that float32 scale."""
-        scale = scale_from_amax(amax, E4M3)
-        return quantize_with(shard, scale, E4M3), scale
+        with jax.named_scope(FP8_SCOPE):
+            scale = scale_from_amax(amax, E4M3)
+            return quantize_with(shard, scale, E4M3), scale
 
     def dequantize(self, quantized: Array, scale: Array, dtype: Any) -> Array:
-        """A gathered fp8 weight in `dtype`: the fp8 products quantise it again
-        with the same scale, getting the gathered values back."""
+        """A gathered fp8 weight in `dtype`, for the ops that read it as it is."""
         return (quantized.astype(jnp.float32) * (1.0 / scale)).astype(dtype)
+
+    def remember(self, weight: Array, quantized: Array, scale: Array) -> Array:
+        """Marks `weight` as held in fp8 as `quantized` with `scale`: the fp8
+        matmuls that read it read those values, rather than quantise it again."""
+        return remember_fp8(weight, quantized, scale)
 
     def __repr__(self) -> str:
         return f"eqx_amp.fp8.{self.name}"
@@ -196,7 +217,10 @@ def matmul_in_fp8(
             return lax.dot_general(lhs.astype(out_dtype), rhs.astype(out_dtype), dims)
     lhs_dtype, rhs_dtype = jnp.result_type(lhs), jnp.result_type(rhs)
     matmul = fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype, grad_dtype)
-    return matmul(lhs, rhs)
+    known = (None, None)
+    if scaling == "tensorwise":
+        known = (known_fp8(lhs), known_fp8(rhs))
+    return matmul(lhs, rhs, known)
 
 
 def dot_general(
@@ -341,6 +365,47 @@ class Fp8ParamsHook(Hook):
                 )
             ]
         return evaluate(invals)
+
+
+def _quantize_weights_once(param_ids: set[int], jaxpr: Any, values: list) -> None:
+    """Quantises each parameter that a `dot_general` of the program reads as it is
+    (not through a reshape, a slice or a body of its own), and that an fp8 GEMM can
+    take (a floating matrix, both dimensions multiples of 16), once for all of the
+    tensorwise fp8 matmuls that read it (`remember_fp8`), with the amaxes of all of
+    them taken together before any product. On a sharded weight that quantises
+    each shard, so the weight is all-gathered in fp8; and the amaxes' all-reduces
+    do not wait on the step's data, so XLA's collective combiners merge them into
+    one on accelerators."""
+    value_of = dict(zip([*jaxpr.constvars, *jaxpr.invars], values))
+    read = {
+        id(atom): atom
+        for eqn in jaxpr.eqns
+        if eqn.primitive is lax.dot_general_p
+        for atom in eqn.invars
+        if not isinstance(atom, compat.Literal)
+    }
+    weights = []
+    for atom in read.values():
+        w = value_of.get(atom)
+        if w is None or id(w) not in param_ids:
+            continue
+        if (
+            w.ndim == 2
+            and jnp.issubdtype(w.dtype, jnp.floating)
+            and w.dtype.itemsize >= 2
+            and all(n % FP8_MULTIPLE == 0 for n in w.shape)
+            and not compat.is_batched(w)
+            and known_fp8(w) is None  # gathered in fp8 already
+        ):
+            weights.append(w)
+    if not weights:
+        return
+    with jax.named_scope(FP8_SCOPE):  # fp8 casts, as `precision_report` reads them
+        amaxes = jnp.stack([finite_amax(w, (0, 1)).reshape(()) for w in weights])
+        scales = scale_from_amax(lax.stop_gradient(amaxes), E4M3)
+        for weight, scale in zip(weights, scales):
+            quantized = quantize_with(lax.stop_gradient(weight), scale, E4M3)
+            remember_fp8(weight, quantized, scale)
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
