@@ -12,8 +12,8 @@ one (benchmarks/h100_aot.py). Needs the CUDA plugin, not a GPU:
   their half dtype, and nothing in float32 (a float16 step's skipping once made XLA
   gather the whole float32 state every step); the fp8 roads all-gather their
   weights in fp8, at most 0.55x hand-cast's bytes, and reduce their weight
-  gradients in bfloat16 as hand-cast does; `filter_amp(fp8=)` reduces all its
-  weights' amaxes in one all-reduce.
+  gradients in bfloat16 as hand-cast does, and reduce all their weights' amaxes
+  in one all-reduce.
 """
 
 import importlib.util
@@ -207,13 +207,14 @@ def test_fsdp_fp8_roads_gather_their_weights_in_fp8(compiled, road):
     assert reduced == _collected(compiled["fsdp"]["hand_bf16"], "reduce-scatter")
 
 
-def test_fsdp_filter_amp_fp8_reduces_every_weight_amax_in_one_all_reduce(compiled):
-    """`filter_amp(fp8=)` quantises each weight once per step, with the amaxes of
-    all of them taken together before any product: XLA's GPU pipeline reduces them
-    across the 8 devices in one all-reduce."""
+@pytest.mark.parametrize("road", FSDP_FP8_ROADS)
+def test_fsdp_fp8_roads_reduce_every_weight_amax_in_one_all_reduce(compiled, road):
+    """The fp8 roads quantise each weight once per step, with the amaxes of all of
+    them taken together before any product: XLA's GPU pipeline reduces them across
+    the 8 devices in one all-reduce."""
     weights = compiled["fp8_weights"]
     assert weights >= 8
-    all_reduces = compiled["fsdp_all_reduces"]["filter_amp_fp8"]
+    all_reduces = compiled["fsdp_all_reduces"][road]
     assert all_reduces.count([["f32", weights]]) == 1
     # Every other all-reduce holds a few values (activations' and gradients'
     # amaxes, which wait on the data) or is the loss's and the unsharded

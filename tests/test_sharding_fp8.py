@@ -7,6 +7,7 @@ Slow: the sharded benchmark's fp8 cases on 8 CPU devices (one subprocess), read
 from the programs right after SPMD partitioning.
 """
 
+import functools as ft
 import json
 
 import equinox as eqx
@@ -147,10 +148,11 @@ def test_fp8_products_read_the_gathered_fp8_weights(getkey, road):
     assert global_rel_error(grads, reference) < 0.1
 
 
-def test_filter_amp_fp8_quantises_each_weight_once_amaxes_together(getkey):
-    """On one device or under GSPMD, `filter_amp(fp8=)` quantises each weight its
+@pytest.mark.parametrize("road", ["filter_amp", "autocast", "bimodel"])
+def test_fp8_roads_quantise_each_weight_once_amaxes_together(getkey, road):
+    """On one device or under GSPMD, each fp8 road quantises each weight its
     matmuls read once per call, however many matmuls read it, from one vector of
-    all the weights' amaxes."""
+    all the weights' amaxes (which XLA's GPU pipeline reduces in one all-reduce)."""
 
     class Twice(eqx.Module):
         square: eqx.nn.Linear
@@ -166,9 +168,16 @@ def test_filter_amp_fp8_quantises_each_weight_once_amaxes_together(getkey):
 
     model = Twice(getkey())
     x = jr.normal(getkey(), (48, 32))
+    if road == "filter_amp":
+        wrap = ft.partial(eqx_amp.filter_amp, fp8=FP8)
+    elif road == "autocast":
+        rules = {jax.lax.dot_general_p: FP8}
+        wrap = lambda m: eqx_amp.autocast(m, rules=rules)  # noqa: E731
+    else:
+        wrap = lambda m: eqx_amp.BiModel(m, fp8=FP8)  # noqa: E731
 
     def loss(m):
-        out = jax.vmap(eqx_amp.filter_amp(m, fp8=FP8))(x)
+        out = eqx.filter_vmap(wrap(m))(x)
         return jnp.mean(out.astype(jnp.float32) ** 2)
 
     jaxpr = jax.make_jaxpr(eqx.filter_grad(loss))(model)

@@ -58,7 +58,11 @@ class AutocastWrapper(FunctionWrapper[_P, _T]):
         # The arrays of Equinox modules (`fn` itself, or arguments) and Flax NNX
         # parameters are parameters: they follow the activations they meet.
         return evaluate_function(
-            _call, (self.fn, args, kwargs), hook, params_are=_holds_params
+            _call,
+            (self.fn, args, kwargs),
+            hook,
+            params_are=_holds_params,
+            prepare=hook.quantize_weights if self.rules.uses_fp8 else None,
         )
 
 

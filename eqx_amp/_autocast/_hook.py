@@ -8,7 +8,15 @@ import numpy as np
 from jax import lax
 
 from .._core._cast import is_floating_array, is_floating_dtype, widest_dtype
-from .._fp8 import FP8_PRIMITIVES, Fp8Rule, product_in_fp8
+from .._fp8 import (
+    FP8_PRIMITIVES,
+    Fp8Rule,
+    known_fp8,
+    product_in_fp8,
+    quantize_weights_once,
+    remember_fp8,
+)
+from .._jaxpr import _compat as compat
 from .._jaxpr._hook import Evaluate, Frame, Hook, Origin, is_higher_order, traced_dtypes
 from .._sharding import (
     bind_reducing_gradients,
@@ -44,6 +52,16 @@ class AutocastHook(Hook):
 
     def enter_jaxpr(self, frame: Frame) -> "_JaxprCasts":
         return _JaxprCasts(self, frame)
+
+    def quantize_weights(self, jaxpr: Any, values: list, origins: list) -> None:
+        """Quantises the weights that the program's tensorwise fp8 matmuls read,
+        once for all of them (`evaluate_function`'s `prepare`)."""
+
+        def in_fp8(eqn) -> bool:
+            rule = self.rules.lookup(eqn.primitive, compat.scope_names(eqn))
+            return isinstance(rule, Fp8Rule) and rule.scaling == "tensorwise"
+
+        quantize_weights_once(in_fp8, self.compute_dtype, jaxpr, values, origins)
 
 
 class _JaxprCasts(Hook):
@@ -107,7 +125,11 @@ class _JaxprCasts(Hook):
         return evaluate(invals, params)
 
     def _fp8(self, eqn, rule, invals, original, origins) -> list:
+        known = [known_fp8(v) for v in invals]  # quantised before the program ran
         invals = LOW.cast(self._compute_dtype, original, invals, origins, self._casts)
+        for value, fp8 in zip(invals, known):
+            if fp8 is not None:
+                remember_fp8(value, *fp8)  # its cast holds the same fp8 values
         params = _follow_inputs(eqn, invals)
         out_dtype = params.get("preferred_element_type") or widest_dtype(
             v.dtype for v in invals

@@ -18,9 +18,12 @@ convolution with their derivative rules), `_rules` (where products run in fp8).
 
 from ._products import FP8_SCOPE as FP8_SCOPE
 from ._products import FP8_SKIPPED_SCOPE as FP8_SKIPPED_SCOPE
+from ._products import known_fp8 as known_fp8
+from ._products import remember_fp8 as remember_fp8
 from ._rules import FP8_PRIMITIVES as FP8_PRIMITIVES
 from ._rules import ROWWISE as ROWWISE
 from ._rules import TENSORWISE as TENSORWISE
 from ._rules import Fp8Rule as Fp8Rule
 from ._rules import dot_general as dot_general
 from ._rules import product_in_fp8 as product_in_fp8
+from ._rules import quantize_weights_once as quantize_weights_once

@@ -32,7 +32,11 @@ _known: dict[int, tuple[weakref.ref, Array, Array]] = {}
 
 def remember_fp8(array: Array, quantized: Array, scale: Array) -> Array:
     """Records that `array`'s tensorwise fp8 form is `quantized` with the float32
-    `scale` (a scalar); returns `array`."""
+    `scale` (a scalar); returns `array`. Only for a traced `array`: a concrete one
+    outlives the trace whose values would be recorded for it (a closed-over weight
+    is quantised where it is read)."""
+    if not isinstance(array, jax.core.Tracer):
+        return array
     key = id(array)
     _known[key] = (
         weakref.ref(array, lambda _: _known.pop(key, None)),

@@ -64,7 +64,7 @@ class Fp8Rule:
         reaches fp8 through this method rather than importing it)."""
         prepare = None
         if self.scaling == "tensorwise":
-            prepare = ft.partial(_quantize_weights_once, {id(p) for p in params})
+            prepare = ft.partial(quantize_weights_once, lambda eqn: True, None)
         return evaluate_function(
             _call,
             (fn, args, kwargs),
@@ -367,30 +367,42 @@ class Fp8ParamsHook(Hook):
         return evaluate(invals)
 
 
-def _quantize_weights_once(param_ids: set[int], jaxpr: Any, values: list) -> None:
-    """Quantises each parameter that a `dot_general` of the program reads as it is
-    (not through a reshape, a slice or a body of its own), and that an fp8 GEMM can
-    take (a floating matrix, both dimensions multiples of 16), once for all of the
-    tensorwise fp8 matmuls that read it (`remember_fp8`), with the amaxes of all of
-    them taken together before any product. On a sharded weight that quantises
-    each shard, so the weight is all-gathered in fp8; and the amaxes' all-reduces
-    do not wait on the step's data, so XLA's collective combiners merge them into
-    one on accelerators."""
-    value_of = dict(zip([*jaxpr.constvars, *jaxpr.invars], values))
-    read = {
-        id(atom): atom
+def quantize_weights_once(
+    in_fp8: Callable[[Any], bool],
+    compute_dtype: np.dtype | None,
+    jaxpr: Any,
+    values: list,
+    origins: list,
+) -> None:
+    """Quantises each parameter that a `dot_general` of the program for which
+    `in_fp8(eqn)` holds reads as it is (not through a reshape, a slice or a body
+    of its own), and that an fp8 GEMM can take (a floating matrix, both dimensions
+    multiples of 16), once for all of the tensorwise fp8 matmuls that read it
+    (`remember_fp8`; cast to `compute_dtype` first, if given, as those matmuls
+    would), with the amaxes of all of them taken together before any product. On a
+    sharded weight that quantises each shard, so the weight is all-gathered in fp8;
+    and the amaxes' all-reduces do not wait on the step's data, so XLA's collective
+    combiners merge them into one on accelerators. (`evaluate_function`'s
+    `prepare`, given the program's values and origins.)"""
+    atoms = [*jaxpr.constvars, *jaxpr.invars]
+    param_of = {
+        atom: value
+        for atom, value, origin in zip(atoms, values, origins)
+        if origin is Origin.PARAMS
+    }
+    read = {  # in the program's order, so that the amaxes' order is the same
+        atom: None
         for eqn in jaxpr.eqns
-        if eqn.primitive is lax.dot_general_p
+        if eqn.primitive is lax.dot_general_p and in_fp8(eqn)
         for atom in eqn.invars
-        if not isinstance(atom, compat.Literal)
+        if not isinstance(atom, compat.Literal) and atom in param_of
     }
     weights = []
-    for atom in read.values():
-        w = value_of.get(atom)
-        if w is None or id(w) not in param_ids:
-            continue
+    for atom in read:
+        w = param_of[atom]
         if (
-            w.ndim == 2
+            isinstance(w, jax.core.Tracer)  # see `remember_fp8`
+            and w.ndim == 2
             and jnp.issubdtype(w.dtype, jnp.floating)
             and w.dtype.itemsize >= 2
             and all(n % FP8_MULTIPLE == 0 for n in w.shape)
@@ -401,10 +413,13 @@ def _quantize_weights_once(param_ids: set[int], jaxpr: Any, values: list) -> Non
     if not weights:
         return
     with jax.named_scope(FP8_SCOPE):  # fp8 casts, as `precision_report` reads them
-        amaxes = jnp.stack([finite_amax(w, (0, 1)).reshape(()) for w in weights])
+        cast = [
+            w if compute_dtype is None else w.astype(compute_dtype) for w in weights
+        ]
+        amaxes = jnp.stack([finite_amax(w, (0, 1)).reshape(()) for w in cast])
         scales = scale_from_amax(lax.stop_gradient(amaxes), E4M3)
-        for weight, scale in zip(weights, scales):
-            quantized = quantize_with(lax.stop_gradient(weight), scale, E4M3)
+        for weight, w, scale in zip(weights, cast, scales):
+            quantized = quantize_with(lax.stop_gradient(w), scale, E4M3)
             remember_fp8(weight, quantized, scale)
 
 

@@ -151,7 +151,7 @@ def evaluate_function(
     *,
     params_are: Callable[[Any], bool] | None = None,
     param_arrays: Sequence[Any] | None = None,
-    prepare: Callable[[Any, list], None] | None = None,
+    prepare: Callable[[Any, list, list], None] | None = None,
 ) -> Any:
     """Traces `fn(*args)` and evaluates it under `hook`. Non-array arguments and
     outputs pass through statically; array outputs come back in the dtypes `fn`
@@ -159,9 +159,9 @@ def evaluate_function(
     `params_are(node)` marks the subtrees of `args` whose arrays are parameters;
     `param_arrays` (instead) are the parameters themselves, found wherever they
     appear: in `args`, or closed over by a function (a constant of the program).
-    `prepare(jaxpr, values)` is called once the program is traced, with its open
-    jaxpr and the values of its constants and then its inputs, before any of it
-    is evaluated."""
+    `prepare(jaxpr, values, origins)` is called once the program is traced, with
+    its open jaxpr and the values and origins of its constants and then its
+    inputs, before any of it is evaluated."""
     dynamic, static = eqx.partition(list(args), eqx.is_array)
     leaves, treedef = jtu.tree_flatten(dynamic)
     origins = None if params_are is None else leaf_origins(dynamic, params_are)
@@ -186,7 +186,14 @@ def evaluate_function(
         ]
     if prepare is not None:
         jaxpr, consts = compat.open_jaxpr(closed)
-        prepare(jaxpr, [*consts, *leaves])
+        prepare(
+            jaxpr,
+            [*consts, *leaves],
+            [
+                *(const_origins or [Origin.CONSTANT] * len(consts)),
+                *(origins or [Origin.DATA] * len(leaves)),
+            ],
+        )
     outs, _ = evaluate(closed, leaves, hook, frame, origins, const_origins)
     outs = [jnp.asarray(v) for v in cast_to(outs, [s.dtype for s in flat_shapes])]
     return eqx.combine(jtu.tree_unflatten(out_treedef, outs), static_out[0])
