@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
+from .._jaxpr import _compat as compat
 from ._scaling import E4M3, E5M2, quantize, unscale
 
 
@@ -35,7 +36,7 @@ def remember_fp8(array: Array, quantized: Array, scale: Array) -> Array:
     `scale` (a scalar); returns `array`. Only for a traced `array`: a concrete one
     outlives the trace whose values would be recorded for it (a closed-over weight
     is quantised where it is read)."""
-    if not isinstance(array, jax.core.Tracer):
+    if not compat.is_traced(array):
         return array
     key = id(array)
     _known[key] = (

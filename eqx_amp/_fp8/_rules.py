@@ -401,7 +401,7 @@ def quantize_weights_once(
     for atom in read:
         w = param_of[atom]
         if (
-            isinstance(w, jax.core.Tracer)  # see `remember_fp8`
+            compat.is_traced(w)  # see `remember_fp8`
             and w.ndim == 2
             and jnp.issubdtype(w.dtype, jnp.floating)
             and w.dtype.itemsize >= 2

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.core
 import jax.extend as jex
 import numpy as np
 
@@ -376,6 +377,11 @@ def varying_axes(value: Any) -> frozenset:
     if manual is not None:
         return frozenset(manual.varying)
     return frozenset(getattr(aval, "vma", ()))
+
+
+def is_traced(value: Any) -> bool:
+    """Whether `value` is a tracer (of any transformation), not a concrete array."""
+    return isinstance(value, jax.core.Tracer)
 
 
 def is_batched(value: Any) -> bool:
