@@ -407,6 +407,34 @@ def collectives(text: str, param_shapes: set[tuple[int, ...]]) -> list[dict]:
     return found
 
 
+_NAMED = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=")
+
+
+def weight_amax_all_reduces(text: str) -> int:
+    """How many all-reduces of a compiled program reduce the amaxes fp8 roads take
+    of weights before any product (their ops' names hold the scope
+    `eqx_amp.fp8/weight_amaxes`), counted after XLA's passes, which combine
+    independent all-reduces into one."""
+    lines = {
+        m.group(1): line for line in text.splitlines() if (m := _NAMED.match(line))
+    }
+
+    def of_weight_amaxes(name: str) -> bool:
+        op_name = _OP_NAME.search(lines.get(name, ""))
+        return op_name is not None and "weight_amaxes" in op_name.group(1)
+
+    count = 0
+    for line in lines.values():
+        head, _, rest = line.partition(" all-reduce(")
+        if not rest:
+            head, _, rest = line.partition(" all-reduce-start(")
+        if not rest:
+            continue
+        operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+        count += any(map(of_weight_amaxes, operands))
+    return count
+
+
 def summarise(found: list[dict]) -> dict:
     """Bytes by group and dtype."""
     table = collections.defaultdict(collections.Counter)
@@ -462,6 +490,7 @@ def measure(case: Case, model, tokens, reference) -> dict:
     named = ft.wraps(step)(lambda p, t: step(p, t))
     named.__name__ = named.__qualname__ = f"step_{case.name}"
     compiled = jax.jit(named).lower(params, tokens).compile()
+    amax_all_reduces = weight_amax_all_reduces(compiled.as_text())
     grads = compiled(params, tokens)
     shapes = set().union(
         *(piece_shapes(x.shape, case.mesh) for x in jtu.tree_leaves(params))
@@ -492,6 +521,9 @@ def measure(case: Case, model, tokens, reference) -> dict:
             c["kind"] == "all-reduce" and c["rank"] <= 1 and c["dtype"] == "f32"
             for c in found
         ),
+        # All-reduces of the compiled program (after XLA's combiners) that reduce
+        # fp8 weights' amaxes.
+        "weight_amax_all_reduces": amax_all_reduces,
         # Where GSPMD put each gradient (the step does not constrain them).
         "grad_shardings": [str(g.sharding.spec) for g in jtu.tree_leaves(grads)],
         "memory_per_device": per_device,
@@ -596,7 +628,8 @@ def main(argv=None) -> None:
         for r in ratios:
             print(
                 f"  {r['variant']} {r['mesh']} {r['engine']}: "
-                f"{r['fp8_gather_ratio']:.2f}x"
+                f"{r['fp8_gather_ratio']:.2f}x; weight amaxes in "
+                f"{r['weight_amax_all_reduces']} all-reduce(s) after XLA's passes"
             )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -478,8 +478,9 @@ def _fp8_amaxes(shards, axis_name, dims, mask, fp8, fp8_filter) -> PyTree:
         picked.append(problem is None)
     if not any(picked):
         raise ValueError(_NO_FP8_WEIGHT.format(axis=axis_name))
-    local = jnp.stack([fp8.shard_amax(x) for (_, x), p in zip(flat, picked) if p])
-    amaxes = iter(lax.pmax(lax.stop_gradient(local), axis_name))
+    amaxes = iter(
+        fp8.weight_amaxes([x for (_, x), p in zip(flat, picked) if p], axis_name)
+    )
     return treedef.unflatten([next(amaxes) if p else None for p in picked])
 
 

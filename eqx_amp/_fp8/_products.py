@@ -20,6 +20,9 @@ from ._scaling import E4M3, E5M2, quantize, unscale
 # the compute dtype run under (the reason follows, after a colon): `precision_report`
 # reads both.
 FP8_SCOPE = "eqx_amp.fp8"
+# Inside it, the amaxes of weights taken before any product (once per call, or per
+# shard for an fp8 all-gather): the benchmarks find their all-reduces by it.
+WEIGHT_AMAX_SCOPE = "weight_amaxes"
 FP8_SKIPPED_SCOPE = "eqx_amp.fp8_skipped"
 
 

@@ -19,6 +19,7 @@ from .._jaxpr._hook import Hook, Origin
 from ._products import (
     FP8_SCOPE,
     FP8_SKIPPED_SCOPE,
+    WEIGHT_AMAX_SCOPE,
     fp8_conv,
     fp8_matmul,
     free_axes,
@@ -90,9 +91,14 @@ class Fp8Rule:
                 f"bfloat16, float16 or wider, not {compute_dtype.name}."
             )
 
-    def shard_amax(self, shard: Array) -> Array:
-        """The largest finite magnitude of a shard, a float32 scalar."""
-        return finite_amax(shard, tuple(range(shard.ndim))).reshape(())
+    def weight_amaxes(self, shards: list[Array], axis_name: Any) -> Array:
+        """The largest finite magnitude of each whole weight of which `shards` are
+        the shards over `axis_name`: one float32 vector, from one `pmax`."""
+        with jax.named_scope(FP8_SCOPE), jax.named_scope(WEIGHT_AMAX_SCOPE):
+            local = jnp.stack(
+                [finite_amax(x, tuple(range(x.ndim))).reshape(()) for x in shards]
+            )
+            return lax.pmax(lax.stop_gradient(local), axis_name)
 
     def quantize_shard(self, shard: Array, amax: Array) -> tuple[Array, Array]:
         """A shard in `float8_e4m3fn`, scaled for a weight whose amax is `amax`,
@@ -416,7 +422,8 @@ def quantize_weights_once(
         cast = [
             w if compute_dtype is None else w.astype(compute_dtype) for w in weights
         ]
-        amaxes = jnp.stack([finite_amax(w, (0, 1)).reshape(()) for w in cast])
+        with jax.named_scope(WEIGHT_AMAX_SCOPE):
+            amaxes = jnp.stack([finite_amax(w, (0, 1)).reshape(()) for w in cast])
         scales = scale_from_amax(lax.stop_gradient(amaxes), E4M3)
         for weight, w, scale in zip(weights, cast, scales):
             quantized = quantize_with(lax.stop_gradient(w), scale, E4M3)
