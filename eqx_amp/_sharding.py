@@ -12,8 +12,6 @@ casts before it gathers and reduces in the chosen dtype.
 
 import contextlib
 import contextvars
-import functools as ft
-import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
@@ -32,7 +30,8 @@ from ._core._filters import FilterSpec, default_filter_spec, selection_mask
 from ._core._policy import Policy, resolve_policy
 from ._jaxpr import _compat as compat
 from ._jaxpr._evaluate import batched_like, evaluate
-from ._jaxpr._hook import Evaluate, Frame, Hook, Origin, cast_to, is_higher_order
+from ._jaxpr._hook import Evaluate, Frame, Hook, Origin, cast_to
+from ._jaxpr._outer_vmap import batched_after_tracing, warn_once
 
 
 # Ops on a parameter whose transpose sums over the data (the batch, the sequence):
@@ -189,19 +188,10 @@ _BATCHED_AFTER_TRACING = (
 
 
 def warn_if_batched_after_tracing(eqn: Any, invals: Sequence[Any], origins) -> None:
-    """Says when a higher-order primitive holding parameters will be batched by a
-    `jax.vmap` outside: the derivative rules inside it would be batched per example."""
-    if (
-        is_higher_order(eqn)
-        and Origin.PARAMS in origins
-        and any(map(compat.is_batched, invals))
-    ):
-        _warn_once(str(eqn.primitive))
-
-
-@ft.cache
-def _warn_once(name: str) -> None:
-    warnings.warn(_BATCHED_AFTER_TRACING.format(name=name), stacklevel=8)
+    """Says when the derivative rules inside a higher-order primitive would be
+    batched per example by a `jax.vmap` outside."""
+    if batched_after_tracing(eqn, invals, origins):
+        warn_once(_BATCHED_AFTER_TRACING.format(name=eqn.primitive))
 
 
 class ReduceInHook(Hook):

@@ -519,3 +519,107 @@ def test_float16_policies_give_finite_fp8_gradients(road):
     got, want = grad(x), eqx.filter_grad(lambda x: loss(x, linear))(x)
     assert bool(jnp.all(jnp.isfinite(got)))
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.1
+
+
+# Each fp8 road quantises a weight once per call, before its products (the weight
+# read as it is by the program's top-level matmuls). The same layer called through
+# `eqx.filter_checkpoint` has its matmul in a body of its own, quantised where it is
+# read: the reference, with the same scale and fp8 values.
+_WEIGHT_CASES = {
+    "zeros": lambda w: jnp.zeros_like(w),
+    "tiny": lambda w: 1e-30 * w,
+    "bfloat16 subnormal": lambda w: 1e-39 * jnp.sign(w),
+    # With inputs of 1e-10: outputs near 1e29, far from float32's overflow.
+    "bfloat16 largest": lambda w: float(jnp.finfo(jnp.bfloat16).max) * jnp.tanh(w),
+    "one nan": lambda w: w.at[3, 5].set(jnp.nan),
+    "one inf": lambda w: w.at[3, 5].set(jnp.inf),
+}
+
+
+class _Checkpointed(eqx.Module):
+    layer: eqx.nn.Linear
+
+    def __call__(self, x):
+        return eqx.filter_checkpoint(self.layer)(x)
+
+
+@pytest.mark.parametrize("road", ["filter_amp", "autocast", "bimodel"])
+@pytest.mark.parametrize("case", sorted(_WEIGHT_CASES))
+def test_weights_quantised_once_match_quantising_at_each_product(road, case):
+    linear = eqx.nn.Linear(48, 32, key=jr.key(30))
+    linear = eqx.tree_at(lambda m: m.weight, linear, _WEIGHT_CASES[case](linear.weight))
+    x = _normal(jr.key(31), (16, 48))
+    fp8 = eqx_amp.fp8.TENSORWISE
+
+    def forward(model, x):
+        if road == "filter_amp":
+            run = eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=fp8)
+        elif road == "autocast":
+            rules = {jax.lax.dot_general_p: fp8}
+            run = eqx_amp.autocast(eqx.filter_vmap(model), rules=rules)
+        else:
+            run = eqx_amp.BiModel(eqx.filter_vmap(model), fp8=fp8)
+        return run(x).astype(jnp.float32)
+
+    def loss(model, x):
+        return jnp.sum(forward(model, x) ** 2)
+
+    if case == "bfloat16 largest":
+        x = 1e-10 * x
+    # The layer is an argument of the jitted step: traced, so quantised once.
+    once = eqx.filter_jit(eqx.filter_value_and_grad(loss))(linear, x)
+    at_each = eqx.filter_jit(eqx.filter_value_and_grad(loss))(_Checkpointed(linear), x)
+    stacks = [
+        sum(
+            e.primitive.name == "stack"
+            for e, _ in walk_eqns(eqx.filter_make_jaxpr(forward)(model, x)[0])
+        )
+        for model in (linear, _Checkpointed(linear))
+    ]
+    assert stacks == [1, 0]  # the weight's amax taken before the products, or not
+    y_once = eqx.filter_jit(forward)(linear, x)
+    y_each = eqx.filter_jit(forward)(_Checkpointed(linear), x)
+    np.testing.assert_allclose(y_once, y_each, rtol=1e-6, atol=0)
+    (value_once, grads_once), (value_each, grads_each) = once, at_each
+    np.testing.assert_allclose(value_once, value_each, rtol=1e-6)
+    np.testing.assert_allclose(
+        grads_once.weight, grads_each.layer.weight, rtol=1e-6, atol=0
+    )
+    if "nan" in case or "inf" in case:
+        assert not np.isfinite(np.asarray(y_once)).all()  # as in float32
+    else:
+        assert np.isfinite(np.asarray(y_once)).all()
+        assert np.isfinite(np.asarray(grads_once.weight)).all()
+
+
+@pytest.mark.parametrize("road", ["filter_amp", "autocast", "bimodel"])
+def test_a_vmap_outside_a_checkpointed_fp8_layer_is_said(road):
+    """Under a `jax.vmap` applied outside the wrapper, a checkpointed layer's matmul
+    is traced one example at a time (a matrix times a vector), which no fp8 GEMM
+    takes: it runs in bfloat16, and a warning says so and how to keep fp8."""
+    layer = _Checkpointed(eqx.nn.Linear(48, 32, key=jr.key(32)))
+    x = _normal(jr.key(33), (16, 48))
+    fp8 = eqx_amp.fp8.TENSORWISE
+    if road == "filter_amp":
+        run = eqx_amp.filter_amp(layer, fp8=fp8)
+    elif road == "autocast":
+        run = eqx_amp.autocast(layer, rules={jax.lax.dot_general_p: fp8})
+    else:
+        run = eqx_amp.BiModel(layer, fp8=fp8)
+    eqx_amp._jaxpr._outer_vmap.warn_once.cache_clear()  # said once per process
+    with pytest.warns(UserWarning, match=r"cannot run in fp8: a `jax.vmap` applied"):
+        jax.jit(jax.vmap(run))(x)
+    # Applied outside the vmap, the matmul runs in fp8 and nothing is said.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if road == "filter_amp":
+            inside = eqx_amp.filter_amp(eqx.filter_vmap(layer), fp8=fp8)
+        elif road == "autocast":
+            rules = {jax.lax.dot_general_p: fp8}
+            inside = eqx_amp.autocast(eqx.filter_vmap(layer), rules=rules)
+        else:
+            inside = eqx_amp.BiModel(eqx.filter_vmap(layer), fp8=fp8)
+        jaxpr = jax.make_jaxpr(inside)(x)
+    assert any(
+        "float8_e4m3fn" in str(e.outvars[0].aval.dtype) for e, _ in walk_eqns(jaxpr)
+    )

@@ -15,6 +15,7 @@ from .._fp8 import (
     product_in_fp8,
     quantize_weights_once,
     remember_fp8,
+    warn_if_traced_per_example,
 )
 from .._jaxpr import _compat as compat
 from .._jaxpr._hook import Evaluate, Frame, Hook, Origin, is_higher_order, traced_dtypes
@@ -83,6 +84,8 @@ class _JaxprCasts(Hook):
         if is_higher_order(eqn):
             if self._reduce_dtype is not None:
                 warn_if_batched_after_tracing(eqn, invals, origins)
+            if self._rules.uses_fp8:
+                warn_if_traced_per_example(eqn, invals, origins)
             outs = evaluate(invals)
         else:
             outs = self._first_order(eqn, invals, origins, frame, evaluate)

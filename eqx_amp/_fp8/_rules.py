@@ -16,6 +16,7 @@ from .._core._cast import floating_dtype
 from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import batched_like, evaluate_function
 from .._jaxpr._hook import Hook, Origin
+from .._jaxpr._outer_vmap import batched_after_tracing, warn_once
 from ._products import (
     FP8_SCOPE,
     FP8_SKIPPED_SCOPE,
@@ -356,6 +357,7 @@ class Fp8ParamsHook(Hook):
             origin is Origin.PARAMS and jnp.issubdtype(jnp.result_type(v), jnp.floating)
             for v, origin in zip(invals, origins)
         )
+        warn_if_traced_per_example(eqn, invals, origins)
         if eqn.primitive in FP8_PRIMITIVES and reads_params:
             out_dtype = eqn.outvars[0].aval.dtype
             return [
@@ -371,6 +373,23 @@ class Fp8ParamsHook(Hook):
                 )
             ]
         return evaluate(invals)
+
+
+_TRACED_PER_EXAMPLE = (
+    "The matmuls inside this `{name}` cannot run in fp8: a `jax.vmap` applied outside "
+    "`filter_amp`/`autocast`/`BiModel` batches its body after eqx_amp has traced it, "
+    "one example at a time, and one example's matmul (a matrix times a vector) is "
+    "not a shape an fp8 GEMM takes; they run in the compute dtype "
+    "(`precision_report` lists them). Apply the wrapper outside the vmap: "
+    "`eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=...)(x)`."
+)
+
+
+def warn_if_traced_per_example(eqn: Any, invals: list, origins: list) -> None:
+    """Says when the matmuls inside a higher-order primitive are traced per example
+    (a `jax.vmap` outside), too small for fp8."""
+    if batched_after_tracing(eqn, invals, origins):
+        warn_once(_TRACED_PER_EXAMPLE.format(name=eqn.primitive))
 
 
 def quantize_weights_once(

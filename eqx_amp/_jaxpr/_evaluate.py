@@ -50,6 +50,7 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 
 from .._core._cast import is_floating_array
+from .._core._wrapper import user_stacklevel
 from . import _compat as compat
 from . import _control_flow as control_flow
 from ._hook import (
@@ -267,7 +268,7 @@ def _warn_unknown_higher_order(name: str) -> None:
         f"eqx_amp does not know the higher-order primitive `{name}`: it is run "
         "unchanged, at the dtypes it was traced with, and the ops inside it are not "
         "cast or inspected.",
-        stacklevel=6,
+        stacklevel=user_stacklevel(),
     )
 
 
