@@ -43,7 +43,8 @@ def remember_fp8(array: Array, quantized: Array, scale: Array) -> Array:
         return array
     key = id(array)
     _known[key] = (
-        weakref.ref(array, lambda _: _known.pop(key, None)),
+        # The dict itself, not the module global, which is gone at interpreter exit.
+        weakref.ref(array, lambda _, known=_known: known.pop(key, None)),
         quantized,
         scale,
     )
