@@ -28,10 +28,11 @@ from ._core._cast import cast_leaf, is_floating_array, widest_dtype
 from ._core._describe import describe, in_selected_modules, is_none
 from ._core._filters import FilterSpec, default_filter_spec, selection_mask
 from ._core._policy import Policy, resolve_policy
+from ._core._wrapper import warn_once
 from ._jaxpr import _compat as compat
 from ._jaxpr._evaluate import batched_like, evaluate
 from ._jaxpr._hook import Evaluate, Frame, Hook, Origin, cast_to
-from ._jaxpr._outer_vmap import batched_after_tracing, warn_once
+from ._jaxpr._outer_vmap import batched_after_tracing
 
 
 # Ops on a parameter whose transpose sums over the data (the batch, the sequence):

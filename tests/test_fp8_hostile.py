@@ -606,7 +606,7 @@ def test_a_vmap_outside_a_checkpointed_fp8_layer_is_said(road):
         run = eqx_amp.autocast(layer, rules={jax.lax.dot_general_p: fp8})
     else:
         run = eqx_amp.BiModel(layer, fp8=fp8)
-    eqx_amp._jaxpr._outer_vmap.warn_once.cache_clear()  # said once per process
+    eqx_amp._core._wrapper.warn_once.cache_clear()  # said once per process
     with pytest.warns(UserWarning, match=r"cannot run in fp8: a `jax.vmap` applied"):
         jax.jit(jax.vmap(run))(x)
     # Applied outside the vmap, the matmul runs in fp8 and nothing is said.

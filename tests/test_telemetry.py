@@ -2,6 +2,8 @@
 checked against float32 references on injected values, by role and layer name, in
 scan-stacked blocks and on 8 devices, and leaving the step's own program alone."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -255,6 +257,8 @@ def test_bad_inputs():
 
 
 _EIGHT_DEVICES = """
+import warnings
+
 import equinox as eqx, jax, jax.numpy as jnp, jax.random as jr, numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 import eqx_amp
@@ -280,3 +284,26 @@ def test_eight_devices_give_global_values():
     report = run_script_on_eight_devices(_EIGHT_DEVICES)
     assert report["size"] == 64 * 16
     np.testing.assert_allclose(report["amax"], report["reference"])
+
+
+def test_products_inside_a_while_loop_are_said_to_be_unmeasured():
+    """`redo_on_nan > 0` runs the whole gradient inside one `lax.while_loop`, which
+    telemetry does not measure: a warning says so, rather than an empty table."""
+    model = eqx.nn.Linear(32, 32, key=jr.key(0))
+    amp = eqx_amp.filter_amp(model, policy=F16)
+
+    def retrying_step(model, x):
+        (loss, grads), _, _ = eqx_amp.filter_value_and_grad(_loss, redo_on_nan=2)(
+            model, x, loss_scale=eqx_amp.DynamicLossScale(jnp.float32(1024.0))
+        )
+        return loss, grads
+
+    eqx_amp._core._wrapper.warn_once.cache_clear()  # said once per process
+    with pytest.warns(UserWarning, match=r"does not measure inside `lax.while_loop`"):
+        _, tel = eqx.filter_jit(telemetry(retrying_step))(amp, jnp.ones((16, 32)))
+    assert not [t for t in tel.tensors if t.layer == "model"]
+    # Without retries the same step is measured, and nothing is said.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, tel = eqx.filter_jit(telemetry(_step))(amp, jnp.ones((16, 32)))
+    assert _row(tel, "model", "weight")

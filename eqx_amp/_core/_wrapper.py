@@ -1,9 +1,11 @@
 """The base of the callables eqx_amp returns."""
 
 import abc
+import functools as ft
 import inspect
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
@@ -88,3 +90,10 @@ def user_stacklevel() -> int:
         frame = frame.f_back
         level += 1
     return level if frame is not None else 2
+
+
+@ft.cache
+def warn_once(message: str) -> None:
+    """Warns `message` at the user's line, once per process (a warning made while a
+    program is traced, which may be traced again)."""
+    warnings.warn(message, stacklevel=user_stacklevel())

@@ -23,6 +23,7 @@ from jax import lax
 from jaxtyping import Array, Float
 
 from .._core._cast import is_floating_dtype
+from .._core._wrapper import warn_once
 from .._fp8 import FP8_SCOPE
 from .._jaxpr import _compat as compat
 from .._jaxpr._hook import MATMUL_PRIMITIVES, Frame, Hook, Origin, is_higher_order
@@ -336,6 +337,10 @@ class Measure(Hook):
         outs = evaluate(invals)
         if is_higher_order(eqn):
             naming.out_of_bodies(eqn)
+            if eqn.primitive in (compat.while_p, compat.cond_p) and _holds_products(
+                eqn
+            ):
+                warn_once(_NOT_MEASURED.format(name=eqn.primitive))
             return outs
         naming.flow(eqn, origins)
         in_fp8 = FP8_SCOPE in frame.scopes
@@ -421,6 +426,24 @@ class Measure(Hook):
             return
         if np.size(a) != np.size(b):
             self.scale = a if np.size(a) < np.size(b) else b
+
+
+_NOT_MEASURED = (
+    "`telemetry` does not measure inside `lax.while_loop` and `lax.cond`, and this "
+    "`{name}` holds matmuls or convolutions (a gradient function with "
+    "`redo_on_nan > 0` runs the whole gradient in a `while_loop`): the tensors "
+    "inside are missing from the `Telemetry`. Collect on a step that runs its "
+    "products outside them (`redo_on_nan=0` on the measured steps)."
+)
+
+
+def _holds_products(eqn: Any) -> bool:
+    """Whether a higher-order equation's bodies hold a matmul or a convolution."""
+    return any(
+        e.primitive in MATMUL_PRIMITIVES or (is_higher_order(e) and _holds_products(e))
+        for body in compat.sub_jaxprs(eqn.params)
+        for e in compat.open_jaxpr(body)[0].eqns
+    )
 
 
 def _narrows(eqn: Any) -> bool:

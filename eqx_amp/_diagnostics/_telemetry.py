@@ -48,9 +48,8 @@ class TensorStats(eqx.Module):
     when it is smaller): a fraction `p` estimated from `n` values is off by about
     `sqrt(p (1 - p) / n)`, under 0.8 percentage points for one tensor. `scale` is
     the fp8 scale used (the smallest, for rowwise scales), or None outside fp8.
-    Values measured inside `lax.while_loop` iterations are summed over the
-    iterations (amax: the largest); inside `lax.cond`, a branch not taken counts
-    nothing.
+    Tensors inside `lax.while_loop` and `lax.cond` are not measured (a warning
+    says when products run there).
     """
 
     layer: str = eqx.field(static=True)

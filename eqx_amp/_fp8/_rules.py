@@ -13,10 +13,11 @@ from jax import lax
 from jaxtyping import Array
 
 from .._core._cast import floating_dtype
+from .._core._wrapper import warn_once
 from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import batched_like, evaluate_function
 from .._jaxpr._hook import Hook, Origin
-from .._jaxpr._outer_vmap import batched_after_tracing, warn_once
+from .._jaxpr._outer_vmap import batched_after_tracing
 from ._products import (
     FP8_SCOPE,
     FP8_SKIPPED_SCOPE,

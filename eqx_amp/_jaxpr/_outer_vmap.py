@@ -2,12 +2,9 @@
 the bodies of the higher-order primitives they traced (a `checkpoint`, a `scan`, a
 `jit`) after the wrapper's pass, which traced those bodies one example at a time."""
 
-import functools as ft
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .._core._wrapper import user_stacklevel
 from . import _compat as compat
 from ._hook import Origin, is_higher_order
 
@@ -20,9 +17,3 @@ def batched_after_tracing(eqn: Any, invals: Sequence[Any], origins) -> bool:
         and Origin.PARAMS in origins
         and any(map(compat.is_batched, invals))
     )
-
-
-@ft.cache
-def warn_once(message: str) -> None:
-    """Warns `message` at the user's line, once per process."""
-    warnings.warn(message, stacklevel=user_stacklevel())
