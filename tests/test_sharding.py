@@ -576,20 +576,26 @@ def test_custom_jvp_activations_differentiate_inside_shard_map(getkey, reduce):
         )
 
     for wrap in (eqx_amp.autocast, eqx_amp.filter_amp):
-        grads = jax.shard_map(
-            lambda x: eqx.filter_grad(loss)(model, x, wrap),
-            mesh=_one_device_mesh(),
-            in_specs=P("data"),
-            out_specs=P(),
-            check_vma=False,
+        # Jitted: an eager `shard_map` dispatches each op on its own.
+        grads = jax.jit(
+            jax.shard_map(
+                lambda x: eqx.filter_grad(loss)(model, x, wrap),
+                mesh=_one_device_mesh(),
+                in_specs=P("data"),
+                out_specs=P(),
+                check_vma=False,
+            )
         )(x)
-        grads_vma = jax.shard_map(
-            lambda x: jax.tree.map(
-                lambda g: jax.lax.psum(g, "data"), eqx.filter_grad(loss)(model, x, wrap)
-            ),
-            mesh=_one_device_mesh(),
-            in_specs=P("data"),
-            out_specs=P(),
+        grads_vma = jax.jit(
+            jax.shard_map(
+                lambda x: jax.tree.map(
+                    lambda g: jax.lax.psum(g, "data"),
+                    eqx.filter_grad(loss)(model, x, wrap),
+                ),
+                mesh=_one_device_mesh(),
+                in_specs=P("data"),
+                out_specs=P(),
+            )
         )(x)
         reference = eqx.filter_grad(loss)(model, x, lambda f, policy: f)
         assert global_rel_error(grads_vma, reference) < 2e-2

@@ -68,8 +68,11 @@ def _step(static, specs, fp8, road="filter_amp", **options):
             )
         return jax.lax.pmean(jnp.mean(out.astype(jnp.float32) ** 2), "data")
 
-    return jax.shard_map(
-        jax.grad(loss), mesh=_mesh(), in_specs=(specs, P()), out_specs=specs
+    # Jitted: an eager `shard_map` dispatches each op of the step on its own.
+    return jax.jit(
+        jax.shard_map(
+            jax.grad(loss), mesh=_mesh(), in_specs=(specs, P()), out_specs=specs
+        )
     )
 
 
