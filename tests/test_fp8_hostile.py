@@ -536,6 +536,16 @@ _WEIGHT_CASES = {
 }
 
 
+def _in_fp8(road: str, model):
+    """`model` with its matmuls in fp8 (tensorwise), by one of the three roads."""
+    fp8 = eqx_amp.fp8.TENSORWISE
+    if road == "filter_amp":
+        return eqx_amp.filter_amp(model, fp8=fp8)
+    if road == "autocast":
+        return eqx_amp.autocast(model, rules={jax.lax.dot_general_p: fp8})
+    return eqx_amp.BiModel(model, fp8=fp8)
+
+
 class _Checkpointed(eqx.Module):
     layer: eqx.nn.Linear
 
@@ -549,17 +559,9 @@ def test_weights_quantised_once_match_quantising_at_each_product(road, case):
     linear = eqx.nn.Linear(48, 32, key=jr.key(30))
     linear = eqx.tree_at(lambda m: m.weight, linear, _WEIGHT_CASES[case](linear.weight))
     x = _normal(jr.key(31), (16, 48))
-    fp8 = eqx_amp.fp8.TENSORWISE
 
     def forward(model, x):
-        if road == "filter_amp":
-            run = eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=fp8)
-        elif road == "autocast":
-            rules = {jax.lax.dot_general_p: fp8}
-            run = eqx_amp.autocast(eqx.filter_vmap(model), rules=rules)
-        else:
-            run = eqx_amp.BiModel(eqx.filter_vmap(model), fp8=fp8)
-        return run(x).astype(jnp.float32)
+        return _in_fp8(road, eqx.filter_vmap(model))(x).astype(jnp.float32)
 
     def loss(model, x):
         return jnp.sum(forward(model, x) ** 2)
@@ -599,27 +601,13 @@ def test_a_vmap_outside_a_checkpointed_fp8_layer_is_said(road):
     takes: it runs in bfloat16, and a warning says so and how to keep fp8."""
     layer = _Checkpointed(eqx.nn.Linear(48, 32, key=jr.key(32)))
     x = _normal(jr.key(33), (16, 48))
-    fp8 = eqx_amp.fp8.TENSORWISE
-    if road == "filter_amp":
-        run = eqx_amp.filter_amp(layer, fp8=fp8)
-    elif road == "autocast":
-        run = eqx_amp.autocast(layer, rules={jax.lax.dot_general_p: fp8})
-    else:
-        run = eqx_amp.BiModel(layer, fp8=fp8)
     eqx_amp._core._wrapper.warn_once.cache_clear()  # said once per process
     with pytest.warns(UserWarning, match=r"cannot run in fp8: a `jax.vmap` applied"):
-        jax.jit(jax.vmap(run))(x)
+        jax.jit(jax.vmap(_in_fp8(road, layer)))(x)
     # Applied outside the vmap, the matmul runs in fp8 and nothing is said.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        if road == "filter_amp":
-            inside = eqx_amp.filter_amp(eqx.filter_vmap(layer), fp8=fp8)
-        elif road == "autocast":
-            rules = {jax.lax.dot_general_p: fp8}
-            inside = eqx_amp.autocast(eqx.filter_vmap(layer), rules=rules)
-        else:
-            inside = eqx_amp.BiModel(eqx.filter_vmap(layer), fp8=fp8)
-        jaxpr = jax.make_jaxpr(inside)(x)
+        jaxpr = jax.make_jaxpr(_in_fp8(road, eqx.filter_vmap(layer)))(x)
     assert any(
         "float8_e4m3fn" in str(e.outvars[0].aval.dtype) for e, _ in walk_eqns(jaxpr)
     )
