@@ -102,7 +102,12 @@ def _restore_eqx(path, like):
     return eqx.tree_deserialise_leaves(path / "state.eqx", like)
 
 
-@pytest.mark.parametrize("serialiser", ["tree_serialise_leaves", "orbax"])
+# Every recipe through orbax in the slow tier: `tests/test_orbax.py` keeps orbax in
+# the fast one.
+@pytest.mark.parametrize(
+    "serialiser",
+    ["tree_serialise_leaves", pytest.param("orbax", marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("name", list(_recipes()))
 def test_state_serialises_and_resumes_bit_exactly(name, serialiser, tmp_path):
     from .test_orbax import restore_with_orbax, save_with_orbax

@@ -22,6 +22,7 @@ def _describe(diagnostic: dict) -> str:
     return f"{where}: {diagnostic['severity']}: {diagnostic['message']}{rule}"
 
 
+@pytest.mark.slow  # a lint of the whole package: 8 s, no runtime behaviour
 def test_pyright_reports_nothing():
     # The interpreter running the tests is the environment to check against, where
     # the project has no `.venv` (the configuration's `venv` wins where it does).
