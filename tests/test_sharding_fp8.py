@@ -192,6 +192,43 @@ def test_fp8_roads_quantise_each_weight_once_amaxes_together(getkey, road):
     assert global_rel_error(grads, reference) < 0.1
 
 
+@pytest.mark.parametrize("road", ["filter_amp", "autocast"])
+def test_fp8_convolution_kernels_are_quantised_once_too(getkey, road):
+    """A kernel read by two fp8 convolutions is quantised once, its amax in the one
+    vector of all the weights' amaxes; the gradients are fp8's."""
+
+    class TwoConvs(eqx.Module):
+        same: eqx.nn.Conv2d
+        out: eqx.nn.Conv2d
+
+        def __init__(self, key):
+            k1, k2 = jr.split(key)
+            self.same = eqx.nn.Conv2d(16, 16, 3, padding=1, key=k1)
+            self.out = eqx.nn.Conv2d(16, 32, 3, padding=1, key=k2)
+
+        def __call__(self, x):
+            return self.out(jax.nn.relu(self.same(jax.nn.relu(self.same(x)))))
+
+    model = TwoConvs(getkey())
+    x = jr.normal(getkey(), (4, 16, 8, 8))
+    rules = {jax.lax.conv_general_dilated_p: FP8}
+    if road == "filter_amp":
+        wrap = ft.partial(eqx_amp.filter_amp, fp8=FP8)
+    else:
+        wrap = ft.partial(eqx_amp.autocast, rules=rules)
+
+    def loss(m):
+        return jnp.mean(eqx.filter_vmap(wrap(m))(x).astype(jnp.float32) ** 2)
+
+    jaxpr = jax.make_jaxpr(eqx.filter_grad(loss))(model)
+    assert _weight_amaxes(jaxpr, {(16, 16, 3, 3), (32, 16, 3, 3)}) == 2
+    stacks = [e for e, _ in walk_eqns(jaxpr) if e.primitive.name == "stack"]
+    assert [e.outvars[0].aval.shape for e in stacks] == [(2,)]
+    grads = eqx.filter_grad(loss)(model)
+    reference = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+    assert global_rel_error(grads, reference) < 0.1
+
+
 def test_gathered_fp8_weights_quantise_again_to_the_same_values(getkey):
     """Where a product cannot read the gathered fp8 values (the model reshapes or
     slices the weight first), it quantises the weight handed on in the compute

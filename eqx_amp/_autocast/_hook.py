@@ -60,7 +60,7 @@ class AutocastHook(Hook):
 
         def in_fp8(eqn) -> bool:
             rule = self.rules.lookup(eqn.primitive, compat.scope_names(eqn))
-            return isinstance(rule, Fp8Rule) and rule.scaling == "tensorwise"
+            return isinstance(rule, Fp8Rule) and rule.quantizes_once(eqn)
 
         quantize_weights_once(in_fp8, self.compute_dtype, jaxpr, values, origins)
 

@@ -310,23 +310,33 @@ _CONV_BACKWARD_SCOPE = (
 
 def fp8_conv(params: dict, out_dtype, lhs_dtype, rhs_dtype):
     """A convolution in fp8 (tensorwise scales, which come out of the sums), with
-    the derivative rule of `_fp8_matmul`."""
+    the derivative rule of `_fp8_matmul`, called as `conv(lhs, rhs, known)` (the
+    operands' recorded fp8 values, as for `fp8_matmul`)."""
     conv32 = ft.partial(_conv32, params=params)
     conv16 = ft.partial(_conv16, params=params)
 
     @jax.named_scope(FP8_SCOPE)
-    def forward(lhs, rhs):
-        ql, sl = quantize(lhs, E4M3, tuple(range(lhs.ndim)))
-        qr, sr = quantize(rhs, E4M3, tuple(range(rhs.ndim)))
+    def forward(lhs, rhs, known):
+        known_lhs, known_rhs = known
+        if known_lhs is None:
+            known_lhs = quantize(lhs, E4M3, tuple(range(lhs.ndim)))
+        if known_rhs is None:
+            known_rhs = quantize(rhs, E4M3, tuple(range(rhs.ndim)))
+        (ql, sl), (qr, sr) = known_lhs, known_rhs
         out = unscale(conv32(ql, qr), 1.0 / sl.reshape(()), 1.0 / sr.reshape(()))
-        return out.astype(out_dtype), (ql, sl, qr, sr)
+        return out.astype(out_dtype), ((ql, sl, qr, sr), known)
 
     @jax.custom_vjp
-    def conv(lhs, rhs):
-        return forward(lhs, rhs)[0]
+    def conv(lhs, rhs, known):
+        return forward(lhs, rhs, known)[0]
 
     @jax.named_scope(FP8_SCOPE)
     def backward(residuals, cotangent):
+        residuals, known = residuals
+        grads = _conv_backward(residuals, cotangent)
+        return (*grads, jax.tree.map(jnp.zeros_like, known))
+
+    def _conv_backward(residuals, cotangent):
         (ql, sl, qr, sr), cotangent = _first_order_only((residuals, cotangent))
         qg, sg = quantize(cotangent, E5M2, tuple(range(cotangent.ndim)))
         with jax.named_scope(_CONV_BACKWARD_SCOPE):

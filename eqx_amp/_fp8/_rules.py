@@ -65,15 +65,21 @@ class Fp8Rule:
         """`fn(*args, **kwargs)` with each matmul that reads one of `params` run as
         an fp8 matmul where its shapes allow one (`filter_amp(..., fp8=...)`, which
         reaches fp8 through this method rather than importing it)."""
-        prepare = None
-        if self.scaling == "tensorwise":
-            prepare = ft.partial(quantize_weights_once, lambda eqn: True, None)
+        prepare = ft.partial(quantize_weights_once, self.quantizes_once, None)
         return evaluate_function(
             _call,
             (fn, args, kwargs),
             Fp8ParamsHook(self.scaling),
             param_arrays=params,
             prepare=prepare,
+        )
+
+    def quantizes_once(self, eqn: Any) -> bool:
+        """Whether the product `eqn` reads weights quantised once per call
+        (`quantize_weights_once`): its scales are whole-tensor ones
+        (convolutions are always tensorwise)."""
+        return (
+            self.scaling == "tensorwise" or eqn.primitive is lax.conv_general_dilated_p
         )
 
     # `gather_params(..., fp8=...)` quantises weight shards through these methods
@@ -148,7 +154,8 @@ def conv_in_fp8(lhs, rhs, params: dict, out_dtype, only_eligible: bool) -> Array
                 preferred_element_type=None,
             )
     lhs_dtype, rhs_dtype = jnp.result_type(lhs), jnp.result_type(rhs)
-    return fp8_conv(params, out_dtype, lhs_dtype, rhs_dtype)(lhs, rhs)
+    known = (known_fp8(lhs), known_fp8(rhs))
+    return fp8_conv(params, out_dtype, lhs_dtype, rhs_dtype)(lhs, rhs, known)
 
 
 def fp8_conv_eligible(rhs_shape, params: dict) -> str | None:
@@ -400,42 +407,31 @@ def quantize_weights_once(
     values: list,
     origins: list,
 ) -> None:
-    """Quantises each parameter that a `dot_general` of the program for which
-    `in_fp8(eqn)` holds reads as it is (not through a reshape, a slice or a body
-    of its own), and that an fp8 GEMM can take (a floating matrix, both dimensions
-    multiples of 16), once for all of the tensorwise fp8 matmuls that read it
-    (`remember_fp8`; cast to `compute_dtype` first, if given, as those matmuls
-    would), with the amaxes of all of them taken together before any product. On a
-    sharded weight that quantises each shard, so the weight is all-gathered in fp8;
-    and the amaxes' all-reduces do not wait on the step's data, so XLA's collective
-    combiners merge them into one on accelerators. (`evaluate_function`'s
-    `prepare`, given the program's values and origins.)"""
+    """Quantises each parameter that an fp8 product of the program (an equation
+    for which `in_fp8(eqn)` holds) reads as it is (not through a reshape, a slice
+    or a body of its own) and can take in fp8 (a matrix of a matmul, both
+    dimensions multiples of 16; a convolution's kernel with feature counts that
+    are), once for all of the products that read it (`remember_fp8`; cast to
+    `compute_dtype` first, if given, as those products would), with the amaxes of
+    all of them taken together before any product. On a sharded weight that
+    quantises each shard, so the weight is all-gathered in fp8; and the amaxes'
+    all-reduces do not wait on the step's data, so XLA combines them into one.
+    (`evaluate_function`'s `prepare`, given the program's values and origins.)"""
     atoms = [*jaxpr.constvars, *jaxpr.invars]
     param_of = {
         atom: value
         for atom, value, origin in zip(atoms, values, origins)
         if origin is Origin.PARAMS
     }
-    read = {  # in the program's order, so that the amaxes' order is the same
-        atom: None
-        for eqn in jaxpr.eqns
-        if eqn.primitive is lax.dot_general_p and in_fp8(eqn)
-        for atom in eqn.invars
-        if not isinstance(atom, compat.Literal) and atom in param_of
-    }
-    weights = []
-    for atom in read:
-        w = param_of[atom]
-        if (
-            compat.is_traced(w)  # see `remember_fp8`
-            and w.ndim == 2
-            and jnp.issubdtype(w.dtype, jnp.floating)
-            and w.dtype.itemsize >= 2
-            and all(n % FP8_MULTIPLE == 0 for n in w.shape)
-            and not compat.is_batched(w)
-            and known_fp8(w) is None  # gathered in fp8 already
-        ):
-            weights.append(w)
+    read: dict[Any, None] = {}  # in the program's order: the amaxes' order is fixed
+    for eqn in jaxpr.eqns:
+        if eqn.primitive not in FP8_PRIMITIVES or not in_fp8(eqn):
+            continue
+        for position, atom in enumerate(eqn.invars):
+            w = None if isinstance(atom, compat.Literal) else param_of.get(atom)
+            if w is not None and _takes_fp8(eqn, position, w):
+                read[atom] = None
+    weights = [param_of[atom] for atom in read]
     if not weights:
         return
     with jax.named_scope(FP8_SCOPE):  # fp8 casts, as `precision_report` reads them
@@ -443,11 +439,30 @@ def quantize_weights_once(
             w if compute_dtype is None else w.astype(compute_dtype) for w in weights
         ]
         with jax.named_scope(WEIGHT_AMAX_SCOPE):
-            amaxes = jnp.stack([finite_amax(w, (0, 1)).reshape(()) for w in cast])
+            amaxes = jnp.stack(
+                [finite_amax(w, tuple(range(w.ndim))).reshape(()) for w in cast]
+            )
         scales = scale_from_amax(lax.stop_gradient(amaxes), E4M3)
         for weight, w, scale in zip(weights, cast, scales):
             quantized = quantize_with(lax.stop_gradient(w), scale, E4M3)
             remember_fp8(weight, quantized, scale)
+
+
+def _takes_fp8(eqn: Any, position: int, w: Any) -> bool:
+    """Whether the parameter `w`, operand `position` of the fp8 product `eqn`, is
+    one to quantise before the products: a traced floating array that an fp8
+    kernel takes in that place, not quantised yet."""
+    if not (
+        compat.is_traced(w)  # see `remember_fp8`
+        and jnp.issubdtype(w.dtype, jnp.floating)
+        and w.dtype.itemsize >= 2
+        and not compat.is_batched(w)
+        and known_fp8(w) is None  # gathered in fp8 already
+    ):
+        return False
+    if eqn.primitive is lax.conv_general_dilated_p:
+        return position == 1 and fp8_conv_eligible(w.shape, eqn.params) is None
+    return w.ndim == 2 and all(n % FP8_MULTIPLE == 0 for n in w.shape)
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
