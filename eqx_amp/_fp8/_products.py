@@ -27,10 +27,10 @@ FP8_SKIPPED_SCOPE = "eqx_amp.fp8_skipped"
 
 
 # Arrays whose fp8 values are already known: a weight all-gathered in fp8
-# (`gather_params(..., fp8=...)`) or quantised once for all of a step's products
-# (`filter_amp(..., fp8=...)`), keyed by `id` (tracers are unhashable) and dropped
-# with the array. A tensorwise fp8 matmul reading one of them reads those fp8
-# values and that scale, so nothing quantises the weight again.
+# (`gather_params(..., fp8=...)`) or quantised once for all of a call's products
+# (`quantize_weights_once`), keyed by `id` (tracers are unhashable) and dropped with
+# the array. A tensorwise fp8 product reading one of them reads those fp8 values and
+# that scale, so nothing quantises the weight again.
 _known: dict[int, tuple[weakref.ref, Array, Array]] = {}
 
 

@@ -63,8 +63,9 @@ class Fp8Rule:
         self, fn: Callable, args: tuple, kwargs: dict, params: list[Any]
     ) -> Any:
         """`fn(*args, **kwargs)` with each matmul that reads one of `params` run as
-        an fp8 matmul where its shapes allow one (`filter_amp(..., fp8=...)`, which
-        reaches fp8 through this method rather than importing it)."""
+        an fp8 matmul where its shapes allow one, each weight quantised once for
+        all of them (`filter_amp(..., fp8=...)`, which reaches fp8 through this
+        method rather than importing it)."""
         prepare = ft.partial(quantize_weights_once, self.quantizes_once, None)
         return evaluate_function(
             _call,
