@@ -151,77 +151,51 @@ def test_fp8_products_read_the_gathered_fp8_weights(getkey, road):
     assert global_rel_error(grads, reference) < 0.1
 
 
-@pytest.mark.parametrize("road", ["filter_amp", "autocast", "bimodel"])
-def test_fp8_roads_quantise_each_weight_once_amaxes_together(getkey, road):
-    """On one device or under GSPMD, each fp8 road quantises each weight its
-    matmuls read once per call, however many matmuls read it, from one vector of
-    all the weights' amaxes (which XLA's GPU pipeline reduces in one all-reduce)."""
+class _ReadTwice(eqx.Module):
+    """Two layers, the first applied twice: its weight feeds two fp8 products."""
 
-    class Twice(eqx.Module):
-        square: eqx.nn.Linear
-        out: eqx.nn.Linear
+    twice: eqx.nn.Linear | eqx.nn.Conv2d
+    out: eqx.nn.Linear | eqx.nn.Conv2d
 
-        def __init__(self, key):
-            k1, k2 = jr.split(key)
-            self.square = eqx.nn.Linear(32, 32, key=k1)
+    def __init__(self, kind: str, key):
+        k1, k2 = jr.split(key)
+        if kind == "linear":
+            self.twice = eqx.nn.Linear(32, 32, key=k1)
             self.out = eqx.nn.Linear(32, 16, key=k2)
+        else:
+            self.twice = eqx.nn.Conv2d(16, 16, 3, padding=1, key=k1)
+            self.out = eqx.nn.Conv2d(16, 32, 3, padding=1, key=k2)
 
-        def __call__(self, x):
-            return self.out(jax.nn.relu(self.square(jax.nn.relu(self.square(x)))))
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.twice(jax.nn.relu(self.twice(x)))))
 
-    model = Twice(getkey())
-    x = jr.normal(getkey(), (48, 32))
+
+@pytest.mark.parametrize("road", ["filter_amp", "autocast", "bimodel"])
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_fp8_roads_quantise_each_weight_once_amaxes_together(getkey, road, kind):
+    """On one device or under GSPMD, each fp8 road quantises each weight (a matrix
+    or a convolution kernel) its products read once per call, however many read it,
+    from one vector of all the weights' amaxes (which XLA reduces in one
+    all-reduce)."""
+    model = _ReadTwice(kind, getkey())
+    x = jr.normal(getkey(), (48, 32) if kind == "linear" else (4, 16, 8, 8))
+    primitive = (
+        jax.lax.dot_general_p if kind == "linear" else jax.lax.conv_general_dilated_p
+    )
     if road == "filter_amp":
         wrap = ft.partial(eqx_amp.filter_amp, fp8=FP8)
     elif road == "autocast":
-        rules = {jax.lax.dot_general_p: FP8}
-        wrap = lambda m: eqx_amp.autocast(m, rules=rules)  # noqa: E731
+        wrap = ft.partial(eqx_amp.autocast, rules={primitive: FP8})
     else:
-        wrap = lambda m: eqx_amp.BiModel(m, fp8=FP8)  # noqa: E731
+        wrap = ft.partial(eqx_amp.BiModel, fp8=FP8)
 
     def loss(m):
         out = eqx.filter_vmap(wrap(m))(x)
         return jnp.mean(out.astype(jnp.float32) ** 2)
 
     jaxpr = jax.make_jaxpr(eqx.filter_grad(loss))(model)
-    assert _weight_amaxes(jaxpr, {(32, 32), (16, 32)}) == 2
-    stacks = [e for e, _ in walk_eqns(jaxpr) if e.primitive.name == "stack"]
-    assert [e.outvars[0].aval.shape for e in stacks] == [(2,)]
-    grads = eqx.filter_grad(loss)(model)
-    reference = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
-    assert global_rel_error(grads, reference) < 0.1
-
-
-@pytest.mark.parametrize("road", ["filter_amp", "autocast"])
-def test_fp8_convolution_kernels_are_quantised_once_too(getkey, road):
-    """A kernel read by two fp8 convolutions is quantised once, its amax in the one
-    vector of all the weights' amaxes; the gradients are fp8's."""
-
-    class TwoConvs(eqx.Module):
-        same: eqx.nn.Conv2d
-        out: eqx.nn.Conv2d
-
-        def __init__(self, key):
-            k1, k2 = jr.split(key)
-            self.same = eqx.nn.Conv2d(16, 16, 3, padding=1, key=k1)
-            self.out = eqx.nn.Conv2d(16, 32, 3, padding=1, key=k2)
-
-        def __call__(self, x):
-            return self.out(jax.nn.relu(self.same(jax.nn.relu(self.same(x)))))
-
-    model = TwoConvs(getkey())
-    x = jr.normal(getkey(), (4, 16, 8, 8))
-    rules = {jax.lax.conv_general_dilated_p: FP8}
-    if road == "filter_amp":
-        wrap = ft.partial(eqx_amp.filter_amp, fp8=FP8)
-    else:
-        wrap = ft.partial(eqx_amp.autocast, rules=rules)
-
-    def loss(m):
-        return jnp.mean(eqx.filter_vmap(wrap(m))(x).astype(jnp.float32) ** 2)
-
-    jaxpr = jax.make_jaxpr(eqx.filter_grad(loss))(model)
-    assert _weight_amaxes(jaxpr, {(16, 16, 3, 3), (32, 16, 3, 3)}) == 2
+    shapes = {model.twice.weight.shape, model.out.weight.shape}
+    assert _weight_amaxes(jaxpr, shapes) == 2
     stacks = [e for e, _ in walk_eqns(jaxpr) if e.primitive.name == "stack"]
     assert [e.outvars[0].aval.shape for e in stacks] == [(2,)]
     grads = eqx.filter_grad(loss)(model)
