@@ -296,7 +296,7 @@ def _gather_one(
 
     fp8_values = None  # made without a derivative: `backward` passes it through
     if amax is not None and axis is not None:
-        quantized, scale = fp8.quantize_shard(lax.stop_gradient(leaf), amax)
+        quantized, scale = fp8.quantize_shard(leaf, amax)
         fp8_values = lax.all_gather(quantized, axis_name, axis=axis, tiled=True), scale
 
     @jax.custom_vjp

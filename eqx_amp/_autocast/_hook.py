@@ -55,8 +55,8 @@ class AutocastHook(Hook):
         return _JaxprCasts(self, frame)
 
     def quantize_weights(self, jaxpr: Any, values: list, origins: list) -> None:
-        """Quantises the weights that the program's tensorwise fp8 matmuls read,
-        once for all of them (`evaluate_function`'s `prepare`)."""
+        """Quantises the weights that the program's fp8 products read, once for
+        all of them (`quantize_weights_once`, as `evaluate_function`'s `prepare`)."""
 
         def in_fp8(eqn) -> bool:
             rule = self.rules.lookup(eqn.primitive, compat.scope_names(eqn))

@@ -103,18 +103,12 @@ class Fp8Rule:
     def weight_amaxes(self, shards: list[Array], axis_name: Any) -> Array:
         """The largest finite magnitude of each whole weight of which `shards` are
         the shards over `axis_name`: one float32 vector, from one `pmax`."""
-        with jax.named_scope(FP8_SCOPE), jax.named_scope(WEIGHT_AMAX_SCOPE):
-            local = jnp.stack(
-                [finite_amax(x, tuple(range(x.ndim))).reshape(()) for x in shards]
-            )
-            return lax.pmax(lax.stop_gradient(local), axis_name)
+        return lax.pmax(_weight_amaxes(shards), axis_name)
 
     def quantize_shard(self, shard: Array, amax: Array) -> tuple[Array, Array]:
         """A shard in `float8_e4m3fn`, scaled for a weight whose amax is `amax`,
         and that float32 scale."""
-        with jax.named_scope(FP8_SCOPE):
-            scale = scale_from_amax(amax, E4M3)
-            return quantize_with(shard, scale, E4M3), scale
+        return _quantize_weight(shard, amax)
 
     def dequantize(self, quantized: Array, scale: Array, dtype: Any) -> Array:
         """A gathered fp8 weight in `dtype`, for the ops that read it as it is."""
@@ -435,18 +429,26 @@ def quantize_weights_once(
     weights = [param_of[atom] for atom in read]
     if not weights:
         return
+    cast = [w if compute_dtype is None else w.astype(compute_dtype) for w in weights]
+    for weight, w, amax in zip(weights, cast, _weight_amaxes(cast)):
+        remember_fp8(weight, *_quantize_weight(w, amax))
+
+
+def _weight_amaxes(weights: list[Array]) -> Array:
+    """The largest finite magnitude of each of `weights`, as one float32 vector
+    (without a derivative: scales are constants of the products)."""
+    with jax.named_scope(FP8_SCOPE), jax.named_scope(WEIGHT_AMAX_SCOPE):
+        amaxes = [finite_amax(w, tuple(range(w.ndim))).reshape(()) for w in weights]
+        return lax.stop_gradient(jnp.stack(amaxes))
+
+
+def _quantize_weight(weight: Array, amax: Array) -> tuple[Array, Array]:
+    """`weight` (or a shard of it) in `float8_e4m3fn`, scaled for a weight whose
+    amax is `amax`, and that float32 scale; made without a derivative (its
+    products pass the gradient straight through the rounding)."""
     with jax.named_scope(FP8_SCOPE):  # fp8 casts, as `precision_report` reads them
-        cast = [
-            w if compute_dtype is None else w.astype(compute_dtype) for w in weights
-        ]
-        with jax.named_scope(WEIGHT_AMAX_SCOPE):
-            amaxes = jnp.stack(
-                [finite_amax(w, tuple(range(w.ndim))).reshape(()) for w in cast]
-            )
-        scales = scale_from_amax(lax.stop_gradient(amaxes), E4M3)
-        for weight, w, scale in zip(weights, cast, scales):
-            quantized = quantize_with(lax.stop_gradient(w), scale, E4M3)
-            remember_fp8(weight, quantized, scale)
+        scale = scale_from_amax(amax, E4M3)
+        return quantize_with(lax.stop_gradient(weight), scale, E4M3), scale
 
 
 def _takes_fp8(eqn: Any, position: int, w: Any) -> bool:
