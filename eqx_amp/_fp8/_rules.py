@@ -108,7 +108,8 @@ class Fp8Rule:
     def quantize_shard(self, shard: Array, amax: Array) -> tuple[Array, Array]:
         """A shard in `float8_e4m3fn`, scaled for a weight whose amax is `amax`,
         and that float32 scale."""
-        return _quantize_weight(shard, amax)
+        scale = scale_from_amax(amax, E4M3)
+        return _quantize_weight(shard, scale), scale
 
     def dequantize(self, quantized: Array, scale: Array, dtype: Any) -> Array:
         """A gathered fp8 weight in `dtype`, for the ops that read it as it is."""
@@ -430,8 +431,12 @@ def quantize_weights_once(
     if not weights:
         return
     cast = [w if compute_dtype is None else w.astype(compute_dtype) for w in weights]
-    for weight, w, amax in zip(weights, cast, _weight_amaxes(cast)):
-        remember_fp8(weight, *_quantize_weight(w, amax))
+    # All the scales as one op: each weight's amax is needed at the same point, so
+    # XLA combines their all-reduces into one (scales computed apart let it pair
+    # each with a product's amax instead).
+    scales = scale_from_amax(_weight_amaxes(cast), E4M3)
+    for weight, w, scale in zip(weights, cast, scales):
+        remember_fp8(weight, _quantize_weight(w, scale), scale)
 
 
 def _weight_amaxes(weights: list[Array]) -> Array:
@@ -442,13 +447,12 @@ def _weight_amaxes(weights: list[Array]) -> Array:
         return lax.stop_gradient(jnp.stack(amaxes))
 
 
-def _quantize_weight(weight: Array, amax: Array) -> tuple[Array, Array]:
-    """`weight` (or a shard of it) in `float8_e4m3fn`, scaled for a weight whose
-    amax is `amax`, and that float32 scale; made without a derivative (its
-    products pass the gradient straight through the rounding)."""
-    with jax.named_scope(FP8_SCOPE):  # fp8 casts, as `precision_report` reads them
-        scale = scale_from_amax(amax, E4M3)
-        return quantize_with(lax.stop_gradient(weight), scale, E4M3), scale
+def _quantize_weight(weight: Array, scale: Array) -> Array:
+    """`weight` (or a shard of it) in `float8_e4m3fn` with the float32 `scale`,
+    made without a derivative (its products pass the gradient straight through
+    the rounding)."""
+    with jax.named_scope(FP8_SCOPE):  # an fp8 cast, as `precision_report` reads them
+        return quantize_with(lax.stop_gradient(weight), scale, E4M3)
 
 
 def _takes_fp8(eqn: Any, position: int, w: Any) -> bool:
