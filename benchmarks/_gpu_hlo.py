@@ -34,6 +34,7 @@ _FUSION_KIND = re.compile(r'"kind":"(__[\w]+)"')
 # eqx_amp's fp8 scope in an op_name (`vmap(eqx_amp.fp8)/dot_general`), not the skipped one.
 _IN_FP8_SCOPE = re.compile(r"eqx_amp\.fp8(?![\w])")
 _LAYOUT = ("bitcast", "copy", "transpose", "reshape")
+_HIGHEST = re.compile(r'"operand_precision":\["HIGHEST","HIGHEST"\]')
 
 
 def _bits(dtype: str) -> int:
@@ -74,6 +75,9 @@ class Product:
     call: str  # the custom-call target, or the Triton fusion's kind
     reads: tuple[str, ...]  # the dtypes it multiplies
     op_name: str
+    # A cuBLAS call asked for `Precision.HIGHEST`: an fp8 GEMM then accumulates
+    # precisely (at DEFAULT, cuBLASLt's fast fp8 accumulation).
+    precise: bool = False
 
     @property
     def fp8(self) -> bool:
@@ -227,7 +231,8 @@ def products(text: str) -> list[Product]:
                 kind = "cudnn-fp8" if fp8 else "cudnn"
             else:
                 continue
-            found.append(Product(kind, target, reads, inst.op_name))
+            precise = bool(_HIGHEST.search(inst.attributes))
+            found.append(Product(kind, target, reads, inst.op_name, precise))
         elif inst.op == "fusion":
             fusion_kind = _FUSION_KIND.search(inst.attributes)
             if fusion_kind is None or "gemm" not in fusion_kind.group(1):
@@ -265,11 +270,14 @@ def kernels(text: str) -> dict[str, int]:
 
 
 def summary(found: list[Product]) -> dict[str, int]:
-    """Products by kind and the dtype they multiply: `cublas-fp8`, `cublas bf16`,
+    """Products by kind and the dtype they multiply: `cublas-fp8` (fast
+    accumulation), `cublas-fp8 precise` (`Precision.HIGHEST`), `cublas bf16`,
     `cublas f32`, `cudnn-fp8`, `cudnn bf16`, `triton f8e4m3fn x f8e4m3fn`, ..."""
     counts = collections.Counter()
     for p in found:
-        if p.kind in ("cublas-fp8", "cudnn-fp8"):
+        if p.kind == "cublas-fp8" and p.precise:
+            counts["cublas-fp8 precise"] += 1
+        elif p.kind in ("cublas-fp8", "cudnn-fp8"):
             counts[p.kind] += 1
         elif p.kind == "triton":
             counts[f"triton {' x '.join(p.reads)}"] += 1

@@ -98,13 +98,16 @@ def hlo_stats(text: str) -> dict:
             continue
         matmuls += 1
         operands = [o.strip().split()[-1].lstrip("%") for o in m.group(2).split(",")]
-        inline = re.findall(r"\b(bf16|f16|f32|f64)\[", m.group(2))
+        inline = re.findall(r"\b(bf16|f16|f32|f64|f8\w*)\[", m.group(2))
         dtypes = inline or [types.get(o, "?") for o in operands]
         if any(d in HALF_TYPES for d in dtypes):
             half_matmuls += 1
-        # fp8 values read as wider ones: what XLA rewrites into an fp8 GEMM.
+        # fp8 operands, or fp8 values read as wider ones (XLA rewrites either into
+        # an fp8 GEMM).
         sources = [types.get(converted_from.get(o, ""), "") for o in operands]
-        if sources and all(d.startswith("f8") for d in sources):
+        if all(d.startswith("f8") for d in dtypes) or (
+            sources and all(d.startswith("f8") for d in sources)
+        ):
             fp8_matmuls += 1
     return {
         "instructions": len(lines),

@@ -6,6 +6,12 @@ knowledge of mixed precision inside):
 - `GPT`: token embedding + learned positions, `depth` pre-norm blocks (LayerNorm,
   causal `eqx.nn.MultiheadAttention`, LayerNorm, GELU MLP), final LayerNorm and an
   unbiased head. Called on one sequence of token ids; `jax.vmap` adds the batch.
+- `Llama`: a Llama-style decoder: token embedding, `depth` pre-norm blocks (RMSNorm,
+  causal `eqx.nn.MultiheadAttention` without biases, RMSNorm, SwiGLU MLP), final
+  RMSNorm and an unbiased head. No rotary embedding (it adds elementwise work only,
+  the same in every variant). Its presets follow Llama-3-8B's block (d_model 4096,
+  32 heads, SwiGLU 14336) with 2 blocks and a small vocabulary: the shape at which
+  fp8 products pay most.
 - `CNN`: a ResNet-ish stack of `Conv2d` + `GroupNorm` + ReLU blocks (a stride-2
   block starts each stage, residual blocks follow), global mean pooling and a linear
   head. Called on one `(channels, height, width)` image.
@@ -75,6 +81,60 @@ class GPT(eqx.Module):
 
     def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
         x = jax.vmap(self.embed)(tokens) + self.positions
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+
+#
+# Llama-style decoder.
+#
+
+
+class LlamaBlock(eqx.Module):
+    norm1: eqx.nn.RMSNorm
+    attention: eqx.nn.MultiheadAttention
+    norm2: eqx.nn.RMSNorm
+    gate: eqx.nn.Linear
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, width: int, heads: int, hidden: int, *, key: PRNGKeyArray):
+        k1, k2, k3, k4 = jr.split(key, 4)
+        self.norm1 = eqx.nn.RMSNorm(width)
+        self.attention = eqx.nn.MultiheadAttention(heads, width, key=k1)
+        self.norm2 = eqx.nn.RMSNorm(width)
+        self.gate = eqx.nn.Linear(width, hidden, use_bias=False, key=k2)
+        self.up = eqx.nn.Linear(width, hidden, use_bias=False, key=k3)
+        self.down = eqx.nn.Linear(hidden, width, use_bias=False, key=k4)
+
+    def __call__(self, x: Float[Array, "seq width"]) -> Float[Array, "seq width"]:
+        seq = x.shape[0]
+        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        y = jax.vmap(self.norm1)(x)
+        x = x + self.attention(y, y, y, mask=causal)
+        y = jax.vmap(self.norm2)(x)
+        swiglu = jax.nn.silu(jax.vmap(self.gate)(y)) * jax.vmap(self.up)(y)
+        return x + jax.vmap(self.down)(swiglu)
+
+
+class Llama(eqx.Module):
+    embed: eqx.nn.Embedding
+    blocks: list[LlamaBlock]
+    norm: eqx.nn.RMSNorm
+    head: eqx.nn.Linear
+
+    def __init__(
+        self, vocab: int, width: int, depth: int, heads: int, hidden: int, *, key
+    ):
+        keys = jr.split(key, depth + 2)
+        self.embed = eqx.nn.Embedding(vocab, width, key=keys[0])
+        self.blocks = [LlamaBlock(width, heads, hidden, key=k) for k in keys[1:-1]]
+        self.norm = eqx.nn.RMSNorm(width)
+        self.head = eqx.nn.Linear(width, vocab, use_bias=False, key=keys[-1])
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        x = jax.vmap(self.embed)(tokens)
         for block in self.blocks:
             x = block(x)
         return jax.vmap(self.head)(jax.vmap(self.norm)(x))
@@ -168,6 +228,24 @@ class GPTConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab: int
+    width: int
+    depth: int
+    heads: int
+    hidden: int
+    seq: int
+    batch: int
+
+    def describe(self) -> str:
+        return (
+            f"Llama-style: {self.depth} blocks, width {self.width}, {self.heads} heads, "
+            f"SwiGLU {self.hidden}, seq {self.seq}, batch {self.batch}, "
+            f"vocab {self.vocab}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class CNNConfig:
     image: int
     channels: int
@@ -190,11 +268,17 @@ PRESETS = {
     "tiny": {
         "gpt": GPTConfig(vocab=64, width=32, depth=1, heads=2, seq=16, batch=2),
         "cnn": CNNConfig(8, 3, (8,), 1, 10, 4, batch=2),
+        "llama": LlamaConfig(
+            vocab=64, width=32, depth=1, heads=2, hidden=64, seq=16, batch=2
+        ),
     },
     # A whole run in a few minutes on 2 CPU cores.
     "cpu": {
         "gpt": GPTConfig(vocab=256, width=128, depth=2, heads=4, seq=64, batch=8),
         "cnn": CNNConfig(16, 3, (16, 32), 1, 10, 8, batch=16),
+        "llama": LlamaConfig(
+            vocab=256, width=128, depth=2, heads=4, hidden=352, seq=64, batch=4
+        ),
     },
     # GPT-2 small (vocab 32k) at seq 1024 and a ResNet-18-like CNN at 64x64: meant
     # for one large GPU (sized for an H200; `eqx.nn.MultiheadAttention` materialises
@@ -204,6 +288,10 @@ PRESETS = {
             vocab=32768, width=768, depth=12, heads=12, seq=1024, batch=16
         ),
         "cnn": CNNConfig(64, 3, (64, 128, 256, 512), 2, 1000, 32, batch=128),
+        # Llama-3-8B's block, twice, at seq 4096: large products, where fp8 pays.
+        "llama": LlamaConfig(
+            vocab=4096, width=4096, depth=2, heads=32, hidden=14336, seq=4096, batch=1
+        ),
     },
 }
 
@@ -239,11 +327,17 @@ def cross_entropy(logits: Array, labels: Array) -> Array:
 def make_task(name: str, config, *, seed: int = 0) -> Task:
     key_model, key_data = jr.split(jr.key(seed))
     keys = jr.split(key_data, NUM_BATCHES)
-    if name == "gpt":
-        model = GPT(
-            config.vocab, config.width, config.depth, config.heads, config.seq,
-            key=key_model,
-        )  # fmt: skip
+    if name in ("gpt", "llama"):
+        if name == "gpt":
+            model = GPT(
+                config.vocab, config.width, config.depth, config.heads, config.seq,
+                key=key_model,
+            )  # fmt: skip
+        else:
+            model = Llama(
+                config.vocab, config.width, config.depth, config.heads, config.hidden,
+                key=key_model,
+            )  # fmt: skip
         batches = []
         for k in keys:
             seqs = jr.randint(k, (config.batch, config.seq + 1), 0, config.vocab)
@@ -264,7 +358,7 @@ def make_task(name: str, config, *, seed: int = 0) -> Task:
                 )
             )
     else:
-        raise ValueError(f"unknown model {name!r}; expected 'gpt' or 'cnn'")
+        raise ValueError(f"unknown model {name!r}; expected 'gpt', 'llama' or 'cnn'")
     return Task(name, config.describe(), model, batches)
 
 

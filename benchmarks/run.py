@@ -30,6 +30,7 @@ end are those of DESIGN.md ("Performance targets").
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -518,6 +519,21 @@ def parse_variants(spec: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def with_overrides(config, spec: str):
+    """`config` with the sizes `spec` names (`"depth=4,batch=8"`) replaced."""
+    fields = {f.name for f in dataclasses.fields(config)}
+    changes = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, _, value = part.partition("=")
+        if key not in fields or not value.isdigit():
+            raise SystemExit(
+                f"--config: expected NAME=INTEGER with NAME one of "
+                f"{', '.join(sorted(fields))}; got {part!r}"
+            )
+        changes[key] = int(value)
+    return dataclasses.replace(config, **changes)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -530,7 +546,11 @@ def main(argv=None):
                         help="`sharded`: benchmarks/sharded.py (collectives on 8 "
                         "devices), `h100-aot`: benchmarks/h100_aot.py (compiled "
                         "for an H100 without one), each in its own process")  # fmt: skip
-    parser.add_argument("--models", default="gpt,cnn", help="comma-separated: gpt, cnn")
+    parser.add_argument("--models", default="gpt,cnn",
+                        help="comma-separated: gpt, cnn, llama")  # fmt: skip
+    parser.add_argument("--config", default="",
+                        help="comma-separated overrides of the preset's model sizes, "
+                        "e.g. depth=4,batch=8 (one model per run)")  # fmt: skip
     parser.add_argument("--variants", default="default",
                         help="comma-separated names, or default / eqx_amp / all")  # fmt: skip
     parser.add_argument("--steps", type=int, default=None,
@@ -596,7 +616,12 @@ def main(argv=None):
           f"{meta['hardware']['cores']} cores", flush=True)  # fmt: skip
     models = {}
     for name in model_names:
-        models[name] = run_model(name, PRESETS[args.preset][name], variants, args)
+        config = with_overrides(PRESETS[args.preset][name], args.config)
+        models[name] = run_model(name, config, variants, args)
+        if args.json:  # after each model, so that a run cut short keeps what it did
+            args.json.write_text(
+                json.dumps({"meta": meta, "models": models}, indent=1, default=str)
+            )
     checks = check_targets(models, backend)
     report = {"meta": meta, "models": models, "targets": checks}
 

@@ -51,13 +51,14 @@ def _time(compiled, dynamic, batch, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    parser.add_argument("--models", default="gpt,cnn", help="comma-separated")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
     print(f"{'model':<6}{'variant':<16}{'plain ms':>10}{'measured ms':>13}{'ratio':>8}")
-    for name, config in PRESETS[args.preset].items():
-        task = make_task(name, config)
+    for name in args.models.split(","):
+        task = make_task(name, PRESETS[args.preset][name])
         batch = task.batch(0)
         for label, build in VARIANTS.items():
             built = build(task)

@@ -92,6 +92,44 @@ def test_benchmark_runs(tmp_path):
     assert statuses <= {"PASS", "LAG", "INFO", "SAME", "n/a"}
 
 
+def _run_benchmark(*args: str) -> subprocess.CompletedProcess:
+    xla_flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags.strip()}
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "run.py"), *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_benchmark_llama_with_overridden_sizes(tmp_path):
+    """The Llama-style model trains in bf16 and fp8, at the sizes `--config` sets."""
+    out_json = tmp_path / "llama.json"
+    result = _run_benchmark(
+        "--preset", "tiny", "--models", "llama", "--config", "depth=2,batch=3",
+        "--variants", "hand_bf16,filter_amp_fp8", "--steps", "2",
+        "--json", str(out_json),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    model = json.loads(out_json.read_text())["models"]["llama"]
+    assert model["description"].startswith("Llama-style: 2 blocks,")
+    assert "batch 3" in model["description"]
+    fp8 = model["variants"]["filter_amp_fp8"]
+    assert fp8["status"] == "ok" and fp8["hlo_program"]["fp8_matmuls"] > 0
+
+
+def test_benchmark_rejects_a_bad_config():
+    result = _run_benchmark(
+        "--preset", "tiny", "--models", "gpt", "--config", "depht=2"
+    )
+    assert result.returncode != 0
+    assert "--config: expected NAME=INTEGER with NAME one of" in result.stderr
+    assert "'depht=2'" in result.stderr
+
+
 def test_training_state_benchmark_counts_the_bytes():
     xla_flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags.strip()}

@@ -156,3 +156,27 @@ def test_all_reduces_list_the_arrays_each_one_reduces():
         [("f32", 1), ("bf16", 7)],
     ]
     assert _gpu_hlo.all_reduces("") == []
+
+
+def test_fp8_gemms_that_ask_for_highest_precision_are_told_apart():
+    """cuBLASLt accumulates an fp8 GEMM fast at DEFAULT precision and precisely at
+    HIGHEST; the backward products of eqx_amp ask for HIGHEST."""
+    gemm = (
+        "  %{name} = (f32[64,128]{{1,0}}, s8[4194304]{{0}}) custom-call(%a, %b), "
+        'custom_call_target="__cublas$lt$matmul$f8", metadata={{op_name="eqx_amp.fp8/'
+        'dot_general"}}, backend_config={{"gemm_backend_config":{{"precision_config":'
+        '{{"operand_precision":["{p}","{p}"],"algorithm":"ALG_UNSET"}}}}}}'
+    )
+    text = "\n".join(
+        [
+            "ENTRY %main (a: f8e4m3fn[64,128], b: f8e4m3fn[128,128]) -> f32[64,128] {",
+            "  %a = f8e4m3fn[64,128]{1,0} parameter(0)",
+            "  %b = f8e4m3fn[128,128]{1,0} parameter(1)",
+            gemm.format(name="fast", p="DEFAULT"),
+            gemm.format(name="precise", p="HIGHEST"),
+            "}",
+        ]
+    )
+    found = _gpu_hlo.products(text)
+    assert [p.precise for p in found] == [False, True]
+    assert _gpu_hlo.summary(found) == {"cublas-fp8": 1, "cublas-fp8 precise": 1}

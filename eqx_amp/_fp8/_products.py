@@ -124,15 +124,28 @@ def _fp8_forward(lhs, rhs, dims, scaling, out_dtype, known=(None, None)):
     return out.astype(out_dtype), residuals
 
 
-def _fp8_product(lhs: Array, rhs: Array, dims, dtype: Any = jnp.float32) -> Array:
+def _fp8_product(
+    lhs: Array, rhs: Array, dims, dtype: Any = jnp.float32, *, backward: bool = False
+) -> Array:
     """The product of two fp8 arrays, accumulated in float32. The dot reads the fp8
     arrays themselves: with conversions up in front of it, XLA may merge dots that
     share an operand (a layer's q, k, v projections) into one that reads a
     concatenation of the conversions, and drop the fp8 round trip as excess
     precision: a float32 GEMM on an H100 (`--preset h100-aot` shows both). The
     backward products emit `dtype`, the gradient-reduction dtype: under GSPMD a
-    weight's gradient is summed across devices right on their output."""
-    return lax.dot_general(lhs, rhs, dims, preferred_element_type=dtype)
+    weight's gradient is summed across devices right on their output.
+
+    The backward products ask for `Precision.HIGHEST`: at the default precision XLA
+    gives cuBLASLt's fp8 GEMM its fast accumulation, whose partial sums lose bits on
+    Hopper. A weight's gradient sums over every token of the batch (thousands), and
+    on an H100 a GPT trained with fast-accumulated backward products ended 12.7%
+    above bfloat16's loss after 14 steps, and 0.06% with HIGHEST, at the same step
+    time (`benchmarks/RESULTS.md`, the GPU section). The forward products keep fast accumulation
+    (short sums), as Transformer Engine's recipe does."""
+    precision = lax.Precision.HIGHEST if backward else None
+    return lax.dot_general(
+        lhs, rhs, dims, precision=precision, preferred_element_type=dtype
+    )
 
 
 def _operand_cotangent(
@@ -156,6 +169,7 @@ def _operand_cotangent(
             (tuple(range(len(batch))), tuple(other_batch)),
         ),
         dtype,
+        backward=True,
     )
     # The product's axes: batch, the operand's free axes, then other's contracting
     # axes in increasing order, each standing for the operand axis it contracted.
