@@ -187,3 +187,24 @@ def test_a_call_traces_the_function_once_and_warns_of_nothing():
             assert len(traces) == 3
             eqx.filter_jit(eqx_amp.BiModel(CountsTraces(_rnn(8))))(_XS[0])
             assert len(traces) == 4
+
+
+def _generator_loss(generator, key):
+    z = jax.random.normal(key, (8,))  # the noise, made in float32 here
+    return jnp.mean(generator(z))
+
+
+def test_a_layer_given_wide_data_is_not_named_as_its_cause():
+    """An `eqx.nn.MLP` given float32 noise makes float32 hidden values from it:
+    the cause is the noise, made in the loss, not the MLP (whose keeping changes
+    nothing), while SpectralNorm, reading its own float32 state, still is."""
+    generator = eqx.nn.MLP(8, 16, 64, 2, key=jax.random.key(0))
+    amp = eqx_amp.filter_amp(_generator_loss)
+    advice = _report(amp, generator, jax.random.key(1)).advice
+    assert "Only 0% of the matmul/convolution FLOPs of _generator_loss" in advice
+    assert re.search(
+        r"first made float32 by `\w+` at \S*test_coverage\.py:\d+ "
+        r"\(_generator_loss\)\. Cast that array to the compute dtype where it is made",
+        advice,
+    ), advice
+    assert "keep(model" not in advice and "`eqx.nn.MLP` makes" not in advice

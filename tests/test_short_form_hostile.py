@@ -165,6 +165,70 @@ def test_a_time_kept_by_arg_spec_can_be_concatenated_with_the_image():
     assert len(convs) == 2 and all(d == [F16, F16] for d in convs)
 
 
+class ScoreMixer(eqx.Module):
+    """Equinox's score-based diffusion example, small: the time is concatenated
+    with the image as a channel, a convolution makes patches, an MLP mixes them."""
+
+    conv_in: eqx.nn.Conv2d
+    mlp: eqx.nn.MLP
+    conv_out: eqx.nn.ConvTranspose2d
+
+    def __init__(self, key):
+        k1, k2, k3 = jr.split(key, 3)
+        self.conv_in = eqx.nn.Conv2d(2, 4, 2, stride=2, key=k1)
+        self.mlp = eqx.nn.MLP(16, 16, 32, 1, key=k2)
+        self.conv_out = eqx.nn.ConvTranspose2d(4, 1, 2, stride=2, key=k3)
+
+    def __call__(self, t, y):  # t: scalar, y: (1, 8, 8)
+        y = jnp.concatenate([y, jnp.broadcast_to(t, y.shape)])
+        patches = self.conv_in(y)  # (4, 4, 4)
+        mixed = jax.vmap(self.mlp)(patches.reshape(4, 16))
+        return self.conv_out(mixed.reshape(4, 4, 4))
+
+
+def _matmul_dtypes(fn, *args):
+    jaxpr = eqx.filter_make_jaxpr(fn)(*args)[0]
+    names = ("dot_general", "conv_general_dilated")
+    return [(e.primitive.name, in_dtypes(e)) for e, _ in eqns_named(jaxpr, *names)]
+
+
+@pytest.mark.parametrize("form", ["short", "arg_spec"])
+def test_a_float32_time_through_a_convolution_leaves_the_mlp_after_it_narrow(form):
+    """The convolution's output is in its weight's dtype: cast back to the float32
+    of the time concatenated with the image, it made the MLP after it run in
+    float32 (27% of the FLOPs in float16), and the report blamed `eqx.nn.MLP`."""
+    model = ScoreMixer(jr.key(8))
+    if form == "short":
+        amp = eqx_amp.filter_amp(diffusion_loss, policy="mixed_float16")
+        args = (model, _IMAGES, jr.key(9))
+    else:
+        amp = eqx_amp.filter_amp(
+            model, policy="mixed_float16", arg_spec=((False, True), {})
+        )
+        args = (jnp.float32(0.3), _IMAGES[0])
+    with jax.numpy_dtype_promotion("standard"):  # as users run it
+        matmuls = _matmul_dtypes(amp, *args)
+        report = eqx_amp.precision_report(amp, *args)
+    assert [name for name, _ in matmuls].count("dot_general") == 2
+    assert len(matmuls) == 4 and all(d == [F16, F16] for _, d in matmuls), matmuls
+    assert report.low_precision_share == 1.0 and report.advice == ""
+
+
+def test_a_convolution_given_data_narrower_than_its_kept_weight_hands_it_back():
+    """A filter spec that keeps a convolution's weight but not its bias: the
+    convolution runs at the weight's float32, and hands back the caller's float16,
+    as a kept layer does."""
+    net = eqx.nn.Sequential(
+        [eqx.nn.Conv2d(1, 2, 3, key=jr.key(10)), eqx.nn.Conv2d(2, 1, 3, key=jr.key(11))]
+    )
+    spec = jax.tree.map(lambda _: True, net)
+    spec = eqx.tree_at(lambda s: s.layers[0].weight, spec, False)
+    amp = eqx_amp.filter_amp(net, policy="mixed_float16", filter_spec=spec)
+    with jax.numpy_dtype_promotion("standard"):
+        convs = _conv_dtypes(amp, _IMAGES[0])
+    assert convs == [[np.dtype("float32")] * 2, [F16, F16]]
+
+
 def test_a_convolution_kept_in_full_precision_reads_its_inputs_in_float32():
     """The cast follows the weight's dtype at the call: `full_precision` around a
     convolution inside the model makes it float32, and its input follows."""
