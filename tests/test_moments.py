@@ -15,6 +15,7 @@ import eqx_amp
 from .helpers import rel_error
 from .optim_helpers import (
     BF16,
+    assert_bitwise_equal,
     float_params,
     mse_loss,
     regression_data,
@@ -226,6 +227,68 @@ def test_low_precision_moments_inside_and_outside_loss_scaling():
         state = optimizer.init(params)
         with jax.numpy_dtype_promotion("standard"):
             jax.jit(optimizer.update)(grads, state, params)
+
+
+class _Counted(eqx.Module):
+    """A model as users pass it: floating weights, an integer array and the MLP's
+    activation functions."""
+
+    mlp: eqx.nn.MLP
+    seen: jax.Array
+
+    def __call__(self, x):
+        return self.mlp(x)
+
+
+def _moments(state):
+    is_moment = lambda n: isinstance(n, eqx_amp.optim.QuantizedMoment)
+    return [m for m in jtu.tree_leaves(state, is_leaf=is_moment) if is_moment(m)]
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "8bit"])
+def test_low_precision_moments_and_master_weights_wrap_each_other(storage):
+    # The whole model goes to `init`: outside `master_weights`, the moments are
+    # shaped like its floating leaves, with `None` at the integer array and the
+    # activation functions, and must still be found and compressed.
+    model = _Counted(small_mlp(jr.key(0), BF16), jnp.zeros((), jnp.int32))
+    x, y = regression_data(jr.key(1))
+    lpm, master = eqx_amp.optim.low_precision_moments, eqx_amp.optim.master_weights
+    outside = lpm(master(optax.adam(3e-3)), storage)
+    inside = master(lpm(optax.adam(3e-3), storage))
+    forms = [
+        (outside, outside.init(model)),
+        (inside, inside.init(model)),
+        (outside, outside.init(float_params(model))),
+    ]
+    weights = sum(w.size for w in jtu.tree_leaves(float_params(model)))
+    expected = BF16 if storage == "bfloat16" else jnp.uint8
+    for _, state in forms:
+        moments = _moments(state)
+        assert len(moments) == 2 * len(jtu.tree_leaves(float_params(model)))
+        assert all(m.values.dtype == expected for m in moments)
+        moment_bytes = sum(x.nbytes for x in jtu.tree_leaves(moments))
+        if storage == "bfloat16":
+            assert moment_bytes / weights == 4
+        else:  # 1 byte per value, plus 8 bytes per (padded) block of each moment
+            assert 2 < moment_bytes / weights < 2.5
+
+    @eqx.filter_jit
+    def step(optimizer, model, state):
+        grads = eqx.filter_grad(mse_loss)(model, x, y)
+        updates, state = optimizer.update(grads, state, model)
+        return eqx_amp.optim.apply_updates(model, updates), state
+
+    trained = []
+    for optimizer, state in forms:
+        m = model
+        with jax.numpy_dtype_promotion("standard"):  # optax's bias correction
+            for _ in range(20):
+                m, state = step(optimizer, m, state)
+        trained.append(m)
+    # The same moments, rounded with the same keys in the same order: bit for bit.
+    assert_bitwise_equal(trained[0], trained[1])
+    assert_bitwise_equal(trained[0], trained[2])
+    assert float(mse_loss(trained[0], x, y)) < float(mse_loss(model, x, y))
 
 
 def test_composes_with_apply_if_finite_on_float32_gradients():

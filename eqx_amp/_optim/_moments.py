@@ -87,13 +87,19 @@ def _shaped_like(node: Any, params: Any) -> bool:
     """Whether `node` has the structure of `params`, with optax's `MaskedNode`
     allowed in place of any subtree (where `optax.masked` and
     `optax.multi_transform` leave out the parameters a transformation does not
-    see) and a leaf (an array) in place of each leaf."""
+    see), a leaf (an array) in place of each leaf, and `None` allowed in place of
+    a leaf that is not a floating array."""
     if isinstance(node, optax.MaskedNode):
         return True
     if params is None:
         return node is None
     params_def = jtu.tree_structure(params)
     if jtu.treedef_is_leaf(params_def):
+        if not eqx.is_inexact_array(params):
+            # Given the whole model, a wrapped `master_weights` runs its optimizer
+            # on the floating leaves only, leaving `None` where the model has an
+            # integer array or a function; a plain optimizer keeps a leaf there.
+            return node is None or jtu.treedef_is_leaf(jtu.tree_structure(node))
         return node is not None and jtu.treedef_is_leaf(jtu.tree_structure(node))
     node_children, node_def = _one_level(node)
     params_children, params_def = _one_level(params)
@@ -169,8 +175,9 @@ def low_precision_moments(
 
     - `optimizer`: any optax optimizer, optax's combinators included (`chain`,
         `masked`, `multi_transform`, `inject_hyperparams`, `MultiSteps`,
-        `apply_if_finite`); not an `eqx_amp.optim.master_weights`, which wraps this one
-        instead. An optimizer whose state holds no moment warns at `init`.
+        `apply_if_finite`), and `eqx_amp.optim.master_weights`: the two wrap each
+        other in either order, and either takes the whole model at `init`. An
+        optimizer whose state holds no moment warns at `init`.
     - `storage`: `"bfloat16"` or `"8bit"`.
     - `key`: the PRNG key the roundings are drawn from; `None` means
         `jax.random.key(0)`.
