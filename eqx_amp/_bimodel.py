@@ -373,7 +373,7 @@ def _fp8_selection(
         warnings.warn(
             "`fp8_filter` selects no module with arrays of this model, so no matmul "
             "of the `BiModel` runs in fp8.",
-            stacklevel=user_stacklevel() + 1,
+            stacklevel=user_stacklevel(),
         )
     return selection
 

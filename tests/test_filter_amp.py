@@ -520,3 +520,37 @@ def test_the_call_path_imports_neither_the_diagnostics_nor_fp8():
     for name in imported:
         assert not set(name.split(".")) & set(forbidden), name
     assert ".._sharding.ReduceInHook" in imported  # the check reads the imports
+
+
+def _warning_at(expected_line, message, call):
+    """The one warning `call` makes that matches `message`, checked to point at
+    `expected_line` of this file."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    found = [w for w in caught if re.search(message, str(w.message))]
+    assert len(found) == 1, [str(w.message) for w in caught]
+    assert (found[0].filename, found[0].lineno) == (__file__, expected_line)
+
+
+def test_an_fp8_filter_selecting_nothing_is_warned_of_at_the_users_line(getkey):
+    """Both `fp8_filter` warnings name the line that calls `filter_amp`'s wrapper
+    or builds the `BiModel`; they named the line above it (pytest's, here)."""
+    model = eqx.nn.Linear(16, 16, key=getkey())
+    x = jnp.ones(16)
+    selects_nothing = lambda module: False  # noqa: E731
+
+    def call():
+        amp = eqx_amp.filter_amp(
+            lambda y: model(y), fp8=eqx_amp.fp8.TENSORWISE, fp8_filter=selects_nothing
+        )
+        amp(x)  # the line warned at
+
+    line = call.__code__.co_firstlineno + 4
+    _warning_at(line, r"`fp8_filter` selected no module", call)
+
+    def build():
+        eqx_amp.BiModel(model, fp8=eqx_amp.fp8.TENSORWISE, fp8_filter=selects_nothing)
+
+    line = build.__code__.co_firstlineno + 1
+    _warning_at(line, r"`fp8_filter` selects no module", build)

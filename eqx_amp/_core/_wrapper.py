@@ -81,7 +81,14 @@ def user_stacklevel() -> int:
     """The `stacklevel` for a `warnings.warn` made by the function calling this one
     that points at the innermost line of user code: the first frame outside
     eqx_amp, JAX and Equinox. A call traced by `jax.jit` or `jax.vmap` runs below
-    their frames, where a fixed stacklevel would name a line of JAX."""
+    their frames, where a fixed stacklevel would name a line of JAX. Add one per call
+    between the caller and `warnings.warn`, none where the caller warns itself:
+
+    ```python
+    warnings.warn(message, stacklevel=user_stacklevel())
+    warn_of_overflow(paths, dtype, ..., stacklevel=user_stacklevel() + 1)
+    ```
+    """
     frame = inspect.currentframe()
     # Level 1 is the function calling this one; warnings count from there.
     frame = frame.f_back.f_back if frame and frame.f_back else None

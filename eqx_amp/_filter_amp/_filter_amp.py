@@ -175,7 +175,7 @@ def _warn_fp8_filter_selects_nothing(copies: list[tuple[Any, Any]]) -> None:
             "and optimizer updates all hold or pass rebuilt copies. Select by type or "
             "attribute, apply `filter_amp` to the model itself (`jax.vmap(filter_amp("
             "model, ...))`), or use `BiModel`.",
-            stacklevel=user_stacklevel() + 1,
+            stacklevel=user_stacklevel(),
         )
 
 
