@@ -2,6 +2,7 @@
 checked against float32 references on injected values, by role and layer name, in
 scan-stacked blocks and on 8 devices, and leaving the step's own program alone."""
 
+import pathlib
 import warnings
 
 import equinox as eqx
@@ -262,28 +263,45 @@ import warnings
 import equinox as eqx, jax, jax.numpy as jnp, jax.random as jr, numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 import eqx_amp
+warnings.simplefilter("ignore")
 policy = eqx_amp.get_policy("p=f32,c=f16,o=f32")
-model = eqx_amp.filter_amp(eqx.nn.Linear(16, 16, key=jr.key(0)), policy=policy)
-x = jr.normal(jr.key(1), (64, 16)) * jnp.arange(64.0)[:, None]
+x = jr.normal(jr.key(1), (64, 512)) * jnp.arange(64.0)[:, None]
 mesh = Mesh(np.array(jax.devices()), ("data",))
+# One value past float16's range, which the sample (stride 33) misses.
+linear = eqx.nn.Linear(512, 256, key=jr.key(0))
+linear = eqx.tree_at(lambda m: m.weight, linear, linear.weight.at[7, 3].set(1e5))
 
 def forward(m, x):
     return jax.shard_map(
         lambda x: jax.vmap(m)(x), mesh=mesh, in_specs=P("data"), out_specs=P("data")
     )(x)
 
-_, tel = jax.jit(eqx_amp.diagnostics.telemetry(forward))(model, x)
-stats = [t for t in tel.tensors if t.role == "activation" and t.at_cast][0]
-report = {"amax": float(stats.amax), "size": float(stats.size),
-          "reference": float(jnp.max(jnp.abs(x)))}
+report = {"reference": float(jnp.max(jnp.abs(x)))}
+for wrap in (eqx_amp.filter_amp, eqx_amp.autocast):
+    model = wrap(linear, policy=policy)
+    _, tel = jax.jit(eqx_amp.diagnostics.telemetry(forward))(model, x)
+    stats = {t.role: t for t in tel.tensors if t.at_cast}
+    report[wrap.__name__] = {
+        role: {k: float(getattr(t, k)) for k in ("amax", "size", "overflow")}
+        for role, t in stats.items()
+    }
 """
 
 
 @pytest.mark.slow
 def test_eight_devices_give_global_values():
+    # The weight is replicated: every device casts the same 256 x 512 + 256 values,
+    # one tensor, counted once (its one overflowing value is 1/size of it); the
+    # activations are 64 x 512 values, an eighth on each device.
     report = run_script_on_eight_devices(_EIGHT_DEVICES)
-    assert report["size"] == 64 * 16
-    np.testing.assert_allclose(report["amax"], report["reference"])
+    weight_size = 256 * 512 + 256
+    for wrap in ("filter_amp", "autocast"):
+        weight, activation = report[wrap]["weight"], report[wrap]["activation"]
+        assert weight["size"] == weight_size, wrap
+        assert weight["overflow"] == np.float32(1 / np.float32(weight_size)), wrap
+        assert weight["amax"] == 1e5
+        assert activation["size"] == 64 * 512
+        np.testing.assert_allclose(activation["amax"], report["reference"])
 
 
 def test_products_inside_a_while_loop_are_said_to_be_unmeasured():
@@ -307,3 +325,163 @@ def test_products_inside_a_while_loop_are_said_to_be_unmeasured():
         warnings.simplefilter("error")
         _, tel = eqx.filter_jit(telemetry(_step))(amp, jnp.ones((16, 32)))
     assert _row(tel, "model", "weight")
+
+
+def _linear(weight):
+    """A float16 `filter_amp` linear layer without bias, holding `weight`."""
+    weight = np.asarray(weight, np.float32)
+    linear = eqx.nn.Linear(
+        weight.shape[1], weight.shape[0], use_bias=False, key=jr.key(0)
+    )
+    linear = eqx.tree_at(lambda m: m.weight, linear, jnp.asarray(weight))
+    return eqx_amp.filter_amp(linear, policy=F16)
+
+
+def test_steps_stacked_by_a_scan_are_read_per_step():
+    # Eight steps (as many as the fields of a packed row), the activation of step t
+    # all t + 1.
+    amp = _linear(np.full((4, 4), 0.5))
+    xs = jnp.arange(1.0, 9.0)[:, None] * jnp.ones((8, 4))
+
+    def run(model, xs):
+        def one(carry, x):
+            return carry, telemetry(lambda m, x: m(x))(model, x)[1]
+
+        return jax.lax.scan(one, 0.0, xs)[1]
+
+    tel = jax.jit(run)(amp, xs)
+    assert tel.leading_shape == (8,)
+    activation = _row(tel, "m", "activation")
+    np.testing.assert_array_equal(activation.amax, np.arange(1.0, 9.0))
+    np.testing.assert_array_equal(activation.size, np.full(8, 4.0))
+    np.testing.assert_array_equal(_row(tel, "m", "weight").amax, np.full(8, 0.5))
+    third = tel[2]
+    assert third.leading_shape == ()
+    assert _row(third, "m", "activation").amax == 3.0
+    assert {(r.role, r.amax) for r in tel[-1].rows()} == {
+        ("weight", 0.5),
+        ("activation", 8.0),
+    }
+    with pytest.raises(ValueError, match=r"leading axes of shape \(8,\) .* `tel"):
+        tel.rows()
+    with pytest.raises(ValueError, match=r"leading axes of shape \(8,\)"):
+        tel.summary()
+    with pytest.raises(IndexError, match=r"an int or a slice per leading axis"):
+        tel[0, 0]
+    with pytest.raises(IndexError, match=r"leading axes of shape \(\)"):
+        third[0]
+
+
+def test_vmapped_steps_are_read_per_example():
+    amp = _linear(np.full((4, 4), 0.5))
+    xs = jnp.array([[1.0, -3.0, 0.0, 0.0], [0.25, 0.0, 0.0, 0.0], [7.0, 0, 0, 0]])
+    step = jax.vmap(telemetry(lambda m, x: m(x)), in_axes=(None, 0))
+    _, tel = jax.jit(step)(amp, xs)
+    assert tel.leading_shape == (3,)
+    np.testing.assert_array_equal(_row(tel, "m", "activation").amax, [3.0, 0.25, 7.0])
+    assert _row(tel[1], "m", "activation").amax == 0.25
+
+
+class _EncoderDecoder(eqx.Module):
+    enc: eqx.nn.Linear
+    dec: eqx.nn.Linear
+
+    def __call__(self, x):
+        def body(h, blocks):
+            enc, dec = blocks
+            return dec(jnp.tanh(enc(h))), None
+
+        return jax.lax.scan(body, x, (self.enc, self.dec))[0]
+
+
+class _Block(eqx.Module):
+    attn: eqx.nn.Linear
+    mlp: eqx.nn.Linear
+
+
+class _Blocks(eqx.Module):
+    blocks: _Block
+
+    def __call__(self, x):
+        def body(h, block):
+            return block.mlp(jnp.tanh(block.attn(h))), None
+
+        return jax.lax.scan(body, x, self.blocks)[0]
+
+
+def test_a_scan_over_two_stacks_names_each_stack():
+    keys = jr.split(jr.key(0), 3)
+    stack = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))
+    model = _EncoderDecoder(stack(keys), stack(jr.split(jr.key(1), 3)))
+    _, tel = jax.jit(telemetry(lambda m, x: m(x)))(
+        eqx_amp.autocast(model, policy=F16), jnp.ones(8)
+    )
+    assert {t.layer for t in tel.tensors} == {"m.enc[{0}]", "m.dec[{0}]"}
+    assert {r.layer for r in tel.rows()} == {
+        f"m.{s}[{i}]" for s in ("enc", "dec") for i in range(3)
+    }
+    weight = _row(tel, "m.dec[{0}]", "weight", at_cast=True)
+    reference = jnp.max(jnp.abs(model.dec.weight), axis=(1, 2))
+    np.testing.assert_array_equal(weight.amax, reference)
+    # One stack of blocks of two layers: the index goes after the stack.
+    blocks = eqx.filter_vmap(
+        lambda k: _Block(
+            eqx.nn.Linear(8, 8, key=k), eqx.nn.Linear(8, 8, key=jr.fold_in(k, 1))
+        )
+    )(keys)
+    _, tel = jax.jit(telemetry(lambda m, x: m(x)))(
+        eqx_amp.autocast(_Blocks(blocks), policy=F16), jnp.ones(8)
+    )
+    assert {t.layer for t in tel.tensors} == {"m.blocks[{0}].attn", "m.blocks[{0}].mlp"}
+
+
+@pytest.mark.filterwarnings("ignore:`filter_amp` casts the weights")
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+def test_an_inf_is_not_an_overflow():
+    weight = np.full((8, 8), 0.5, np.float32)
+    weight[2, 3] = np.inf
+    _, tel = jax.jit(telemetry(lambda m, x: m(x)))(_linear(weight), jnp.ones(8))
+    stats = _row(tel, "m", "weight", at_cast=True)
+    assert float(stats.overflow) == 0.0
+    assert float(stats.nonfinite) == np.float32(1 / 64)
+    assert float(stats.amax) == np.inf
+    # An inf and a value past float16's range that the sample (stride 33) misses:
+    # the overflow is still known, exactly one value of the tensor.
+    weight = np.full((256, 512), 0.5, np.float32)
+    weight[9, 5] = np.inf
+    weight[7, 3] = 1e5
+    _, tel = jax.jit(telemetry(lambda m, x: m(x)))(_linear(weight), jnp.ones(512))
+    stats = _row(tel, "m", "weight", at_cast=True)
+    assert float(stats.overflow) == np.float32(1 / np.float32(weight.size))
+
+
+def test_float32_subnormals_have_their_amax():
+    # 1e-40 is a float32 subnormal, which the CPU's float max reads as zero.
+    _, tel = jax.jit(telemetry(lambda m, x: m(x)))(
+        _linear(np.full((8, 8), 1e-40)), jnp.ones(8)
+    )
+    stats = _row(tel, "m", "weight", at_cast=True)
+    assert float(stats.amax) == np.float32(1e-40)
+    assert float(stats.underflow) == 1.0 and float(stats.subnormal) == 0.0
+
+
+def _words(text):
+    return " ".join(text.replace("`", "").split())
+
+
+def test_the_api_reference_promises_what_the_guide_does():
+    """`TensorStats`' docstring (the API reference) and the debugging guide state
+    the same contract, which the tests above check."""
+    guide = pathlib.Path(__file__).parents[1] / "docs" / "guides" / "debugging.md"
+    guide_text = _words(guide.read_text())
+    api = _words(eqx_amp.diagnostics.TensorStats.__doc__ or "")
+    for promise in (
+        "amax is exact",
+        "float32 subnormals included",
+        "NaN when the tensor holds a NaN",
+        "an inf or NaN is not an overflow",
+        "at least one value's share",
+        "at most 4096 values per tensor",
+    ):
+        assert promise in api and promise in guide_text, promise
+    assert "NaN ignored" not in api

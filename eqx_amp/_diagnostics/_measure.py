@@ -60,11 +60,14 @@ class Measured(eqx.Module):
     largest magnitude, and the fp8 scale. `flushed`, `subnormal`, `saturated` and
     `nonfinite` count values of a sample of `sampled` values; `any_saturated` and
     `any_nonfinite` (0 or 1) say exactly whether the whole tensor holds such a value.
-    Each `stack` entry is a leading axis (one entry per scan iteration) and the place
-    in the layer's path its index goes."""
+    Each `stack` entry is a leading axis (one entry per scan iteration), given by the
+    paths of the parameters that scan iterates over (`index_position` finds where in
+    the layer's path its index goes). `same_along` are the `shard_map` axes along
+    which the tensor is typed as varying yet the same on every device (`pvary`)."""
 
     site: Site = eqx.field(static=True)
-    stack: tuple[int, ...] = eqx.field(static=True)
+    stack: tuple[frozenset[Path], ...] = eqx.field(static=True)
+    same_along: frozenset = eqx.field(static=True)
     size: Scalar
     sampled: Scalar
     amax: Scalar
@@ -108,22 +111,53 @@ def _rounds_to_inf(dtype: Any) -> float:
     return float(largest) + (float(largest) - float(below)) / 2
 
 
+def _magnitude_bits(x: Array) -> Array:
+    """`|x|` in float32, as its int32 bit pattern. For magnitudes the integer order
+    is the float order (inf above every finite value, NaN above inf), and integer
+    ops read float32 subnormals as they are: a float max on the CPU flushes them to
+    zero (1e-40 has an amax of 0 there)."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return bits & np.int32(0x7FFFFFFF)
+
+
+def _from_bits(bits: Array) -> Array:
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def _amax(magnitude: Array, scale: Array | None) -> Array:
-    """The largest of `magnitude` (NaN if it holds a NaN: XLA's max propagates it),
-    in one max reduction; for an fp8 cast, of `magnitude / scale`, the tensor before
-    scaling, reduced to the scale's shape first so that no full-size division runs."""
+    """The largest of `magnitude` (`_magnitude_bits`; NaN if it holds a NaN), in one
+    max reduction; for an fp8 cast, of the tensor before scaling (`magnitude /
+    scale`), reduced to the scale's shape first so that no full-size division runs."""
     if magnitude.size == 0:
         return jnp.zeros((), jnp.float32)
     if scale is None:
-        return jnp.max(magnitude)
+        return _from_bits(jnp.max(magnitude))
     if scale.ndim == magnitude.ndim:
         axes = tuple(i for i, n in enumerate(scale.shape) if n == 1)
-        return jnp.max(jnp.max(magnitude, axis=axes, keepdims=True) / scale)
-    return jnp.max(magnitude) / jnp.min(scale)
+        largest = _from_bits(jnp.max(magnitude, axis=axes, keepdims=True))
+        return jnp.max(largest / scale)
+    return _from_bits(jnp.max(magnitude)) / jnp.min(scale)
+
+
+def _saturates(magnitude: Array, amax: Array, largest: float) -> Array:
+    """Whether a finite value of `magnitude` (`_magnitude_bits`) is past `largest`.
+    An inf or NaN amax hides the largest finite value: only then does a second pass
+    over the tensor run (`lax.cond`), to look for one."""
+    limit = np.float32(largest).view(np.int32)
+    inf = np.float32(np.inf).view(np.int32)
+
+    def look() -> Array:
+        return jnp.any((magnitude > limit) & (magnitude < inf))
+
+    return lax.cond(jnp.isfinite(amax), lambda: amax > largest, look)
 
 
 def _statistics(
-    site: Site, value: Array, source: Array | None, scale: Array | None
+    site: Site,
+    value: Array,
+    source: Array | None,
+    scale: Array | None,
+    same_along: frozenset,
 ) -> Measured:
     """`value` as the program holds it (in its half or fp8 dtype); `source`, when
     `value` was cast from it, the wider value before the cast.
@@ -135,18 +169,15 @@ def _statistics(
     finfo = jnp.finfo(value.dtype)
     # In float32 (exact for every narrower dtype): XLA's CPU reductions over
     # bfloat16 and float16 values take several times longer than over float32.
-    whole = (value if source is None else source).astype(f32)
-    amax = _amax(jnp.abs(whole), scale)
-    # A magnitude is never negative: a negative maximum is the reduction's initial
-    # value, left by a tensor of NaNs only (XLA's CPU max can skip NaN there).
-    amax = jnp.where(amax < 0, jnp.nan, amax)
+    magnitude = _magnitude_bits(value if source is None else source)
+    amax = _amax(magnitude, scale)
     if source is None or scale is not None:
         # fp8 casts the scaled tensor clipped to the dtype's range: only inf and NaN.
         any_nonfinite = ~jnp.isfinite(amax)
         any_saturated = jnp.zeros((), bool)
     else:
         any_nonfinite = ~(amax < _rounds_to_inf(value.dtype))
-        any_saturated = amax > float(finfo.max)  # NaN: not known to saturate
+        any_saturated = _saturates(magnitude, amax, float(finfo.max))
     stride = _stride(value.shape)
     small = jnp.abs(_sample(value, stride).astype(f32))
     masks = [
@@ -154,10 +185,12 @@ def _statistics(
         ~jnp.isfinite(small),
     ]
     if source is not None:
+        # Non-zero read from the bits, as `amax` is: a float32 subnormal is not zero.
+        nonzero = _sample(magnitude, stride) != 0
         before = jnp.abs(_sample(source, stride).astype(f32))
         finite = jnp.isfinite(before)
         masks += [
-            finite & (before > 0) & (small == 0),
+            finite & nonzero & (small == 0),
             # Past the largest finite value: overflowed to inf (NaN in e4m3fn) or
             # clipped to it.
             finite & (before > float(finfo.max)),
@@ -169,6 +202,7 @@ def _statistics(
     return Measured(
         site,
         (),
+        same_along,
         jnp.asarray(value.size, f32),
         jnp.asarray(small.size, f32),
         amax,
@@ -197,17 +231,36 @@ def combine(group: list[Measured]) -> Measured:
 
 
 def across(made: list, axis_names: frozenset) -> list:
-    """Measurements made per device, made global: counts summed, amax maxed."""
-    axes = tuple(axis_names)
+    """Measurements made per device, made global: amax maxed, counts summed over
+    the axes along which the tensor differs from device to device. A tensor the same
+    on every device (a replicated weight) is one tensor, counted once."""
+
+    every = tuple(axis_names)
 
     def reduce(m: Measured) -> Measured:
-        fields = {k: lax.psum(getattr(m, k), axes) for k in Measured.COUNTS}
+        differs = tuple(axis_names & _varying(m, axis_names))
+        # The max over the other axes (of equal values) leaves them typed the same.
+        fields = {
+            k: lax.pmax(lax.psum(getattr(m, k), differs), every)
+            for k in Measured.COUNTS
+        }
         for k in Measured.FLAGS:
-            fields[k] = lax.pmax(getattr(m, k), axes)
-        scale = None if m.scale is None else lax.pmin(m.scale, axes)
+            fields[k] = lax.pmax(getattr(m, k), every)
+        scale = None if m.scale is None else lax.pmin(m.scale, every)
         return dataclasses.replace(m, scale=scale, **fields)
 
     return [reduce(m) for m in made]
+
+
+def _varying(m: Measured, axis_names: frozenset) -> frozenset:
+    """The axes along which the measured tensor may differ, as `shard_map` types the
+    values computed from it. Without those types (`check_vma=False`, `pmap`) every
+    device is taken to hold a different tensor."""
+    if compat.is_unchecked_manual_axis(tuple(axis_names)):
+        return axis_names
+    fields = [getattr(m, k) for k in (*Measured.COUNTS, *Measured.FLAGS)]
+    varying = frozenset().union(*(compat.varying_axes(v) for v in fields))
+    return varying - m.same_along
 
 
 def _is_narrow(dtype: Any) -> bool:
@@ -232,6 +285,9 @@ class Naming:
     grads: dict = dataclasses.field(default_factory=dict)  # layer it is the grad of
     pending: dict = dataclasses.field(default_factory=dict)  # sites awaiting a layer
     source: dict = dataclasses.field(default_factory=dict)  # its one-input producer
+    # Axes it is typed as varying along, yet the same on every device: a replicated
+    # weight that `shard_map` made varying (`pvary`) to meet a batch shard.
+    replicated: dict = dataclasses.field(default_factory=dict)
     measured: set = dataclasses.field(default_factory=set)
 
     def flow(self, eqn: Any, origins: list[Origin]) -> None:
@@ -269,6 +325,26 @@ class Naming:
                 if ins[0] in self.measured:
                     self.measured.add(out)
 
+    def replicate(self, eqn: Any, invals: list) -> None:
+        """Whether the outputs are the same on every device along an axis they are
+        typed as varying along: made so by `pvary`, or computed from such values and
+        values typed as the same."""
+        if eqn.primitive.name == "pvary":  # JAX names the primitive in no public API
+            (var,) = eqn.invars
+            axes = frozenset(eqn.params["axes"]) | self.replicated.get(var, frozenset())
+            self.replicated[eqn.outvars[0]] = axes
+            return
+        ins = [
+            (self.replicated.get(v, frozenset()), compat.varying_axes(x))
+            for v, x in zip(eqn.invars, invals)
+            if not isinstance(v, compat.Literal)
+        ]
+        candidates = frozenset().union(*(same for same, _ in ins))
+        same = {a for a in candidates if all(a in s or a not in v for s, v in ins)}
+        if same:
+            for out in eqn.outvars:
+                self.replicated[out] = frozenset(same)
+
     def into_bodies(self, eqn: Any) -> None:
         """A higher-order equation's operands, as its bodies' inputs (which are the
         last of its operands: `cond` and `while` put others first)."""
@@ -285,7 +361,8 @@ class Naming:
         for src, dst in zip(sources, targets):
             if isinstance(src, compat.Literal):
                 continue
-            for table in (self.paths, self.feeds, self.grads, self.pending):
+            tables = (self.paths, self.feeds, self.grads, self.pending, self.replicated)
+            for table in tables:
                 if src in table:
                     table[dst] = table[src]
             if src in self.measured:
@@ -321,11 +398,9 @@ class Measure(Hook):
     def adopt(self, made: list, eqn: Any) -> None:
         if eqn.primitive is compat.scan_p:
             num_consts, num_carry = compat.scan_counts(eqn.params)
-            paths = [
-                self.naming.paths.get(v) for v in eqn.invars[num_consts + num_carry :]
-            ]
-            at = _common_prefix([p for p in paths if p is not None])
-            made = [dataclasses.replace(m, stack=(at, *m.stack)) for m in made]
+            xs = eqn.invars[num_consts + num_carry :]
+            scanned = frozenset(self.naming.paths.get(v) for v in xs) - {None}
+            made = [dataclasses.replace(m, stack=(scanned, *m.stack)) for m in made]
         self.records += made
 
     def across(self, made: list, axis_names: frozenset) -> list:
@@ -343,6 +418,7 @@ class Measure(Hook):
                 warn_once(_NOT_MEASURED.format(name=eqn.primitive))
             return outs
         naming.flow(eqn, origins)
+        naming.replicate(eqn, invals)
         in_fp8 = FP8_SCOPE in frame.scopes
         if eqn.primitive in MATMUL_PRIMITIVES:
             self._product(eqn, invals, origins, outs, frame)
@@ -352,8 +428,9 @@ class Measure(Hook):
             self._maybe_scale(invals)
         return outs
 
-    def _record(self, site, value, source=None, scale=None) -> None:
-        self.records.append(_statistics(site, value, source, scale))
+    def _record(self, site, var, value, source=None, scale=None) -> None:
+        same_along = self.naming.replicated.get(var, frozenset())
+        self.records.append(_statistics(site, value, source, scale, same_along))
 
     def _cast(self, eqn, source, value, origin, frame, in_fp8) -> None:
         naming, invar, outvar = self.naming, eqn.invars[0], eqn.outvars[0]
@@ -367,7 +444,7 @@ class Measure(Hook):
             layer, role = None, ACTIVATION
         site = Site(role, dtype, True, layer)
         scale = self.scale if in_fp8 and jnp.finfo(value.dtype).bits == 8 else None
-        self._record(site, value, source, scale)
+        self._record(site, invar, value, source, scale)
         self.scale = None
         naming.measured.add(outvar)
         if layer is None:
@@ -399,7 +476,7 @@ class Measure(Hook):
                 role = OUTPUT_GRADIENT
             naming.measured.add(var)
             if _is_narrow(value.dtype):
-                self._record(Site(role, str(value.dtype), False, layer), value)
+                self._record(Site(role, str(value.dtype), False, layer), var, value)
         if layer is None:
             return
         if not frame.transposed:
@@ -412,7 +489,7 @@ class Measure(Hook):
             # An fp8 product's output is still scaled: it is measured at its cast.
             if _is_narrow(outs[0].dtype) and FP8_SCOPE not in frame.scopes:
                 site = Site(PARAMETER_GRADIENT, str(outs[0].dtype), False, layer)
-                self._record(site, outs[0])
+                self._record(site, out, outs[0])
                 naming.measured.add(out)
 
     def _maybe_scale(self, invals) -> None:
@@ -456,15 +533,36 @@ def _narrows(eqn: Any) -> bool:
     )
 
 
-def _common_prefix(paths: list[Path]) -> int:
-    """How many leading entries the stacked parameters' paths share: where a scan
-    iteration's index goes (`model.blocks` + `[3]` + `.attn.qkv`)."""
+def _common_prefix(paths: Iterable[Path]) -> int:
+    """How many leading entries the stacked parameters' paths share (`model.blocks`
+    of `model.blocks.attn.qkv.weight` and `model.blocks.mlp.weight`); for one path,
+    those of its module."""
+    paths = list(paths)
     if len(paths) < 2:
         return len(paths[0]) - 1 if paths else -1
     n = 0
     while all(len(p) > n and p[n] == paths[0][n] for p in paths):
         n += 1
     return n
+
+
+def index_position(layer: Path, scanned: frozenset[Path], leaves: set[Path]) -> int:
+    """Where in `layer`'s path the index of a scan over the parameters at `scanned`
+    goes: after the stack the layer belongs to (`model.blocks[3].attn.qkv`), out of
+    the parameter leaves `leaves`. A scan over `(m.enc, m.dec)` has two stacks,
+    whose paths share only the argument's name: each layer's index goes after the
+    shallowest part of its path (below that name) whose leaves are all scanned,
+    `m.enc[3]`, or else after the prefix the scanned leaves under that part share."""
+    if not scanned:
+        return len(layer)  # a scan over data only (time steps): the index goes last
+    start = max(_common_prefix(scanned), 2)
+    for n in range(start, len(layer) + 1):
+        under = {p for p in leaves if p[:n] == layer[:n]}
+        if under and under <= scanned:
+            return n
+    head = layer[:start]
+    ours = [p for p in scanned if p[: len(head)] == head]
+    return min(_common_prefix(ours), len(layer)) if ours else len(layer)
 
 
 def keyed_paths(tree: Any, name: str, views: Iterable[Any] = ()) -> list[Path]:

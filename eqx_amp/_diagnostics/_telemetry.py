@@ -18,7 +18,15 @@ from .._bimodel import BiModel
 from .._core._wrapper import FunctionWrapper, check_callable
 from .._jaxpr._evaluate import evaluate_making
 from .._jaxpr._hook import Origin, cast_to
-from ._measure import Measure, Measured, Naming, Path, combine, keyed_paths
+from ._measure import (
+    Measure,
+    Measured,
+    Naming,
+    Path,
+    combine,
+    index_position,
+    keyed_paths,
+)
 
 
 _P = ParamSpec("_P")
@@ -31,25 +39,41 @@ class TensorStats(eqx.Module):
 
     `layer` is the layer's path in the step's arguments (`model.blocks[3].attn.qkv`);
     a layer inside `lax.scan`-stacked blocks has one entry per iteration along
-    each array's leading axes, and `{0}` (`{1}`, ...) in `layer` where that
-    iteration's index goes. `role` is `"weight"`, `"activation"` (into a product),
+    each array's last axes, and `{0}` (`{1}`, ...) in `layer` where that
+    iteration's index goes (`m.enc[{0}]` and `m.dec[{0}]` for a scan over
+    `(m.enc, m.dec)`). `role` is `"weight"`, `"activation"` (into a product),
     `"output gradient"` (the gradient arriving at a product in the backward pass) or
     `"parameter gradient"`; `dtype` the half or fp8 dtype the tensor was cast to or
     is held in. `at_cast` says whether it was measured at a cast into that dtype
     (so that `underflow` and `overflow` are known) or only as it arrived.
 
-    `overflow` is the fraction of the tensor's `size` values that the cast
-    saturated or overflowed (beyond the dtype's largest finite value), `nonfinite`
-    the fraction that are inf or NaN after it; `amax` is the largest magnitude before
-    the cast (NaN ignored; before scaling, for fp8). These three are exact.
-    `underflow` (flushed to zero by the cast) and `subnormal` (held as subnormals,
-    with less precision) are estimates, from a sample of `sample` values taken at a
-    fixed stride through each tensor (at most 4096 per tensor, the whole tensor
-    when it is smaller): a fraction `p` estimated from `n` values is off by about
-    `sqrt(p (1 - p) / n)`, under 0.8 percentage points for one tensor. `scale` is
-    the fp8 scale used (the smallest, for rowwise scales), or None outside fp8.
-    Tensors inside `lax.while_loop` and `lax.cond` are not measured (a warning
-    says when products run there).
+    `amax` is the largest magnitude before the cast (before scaling, for fp8).
+    `amax` is exact: one max pass over the tensor, float32 subnormals included,
+    and NaN when the tensor holds a NaN. `overflow` is the fraction of the tensor's
+    `size` values that the cast saturated or overflowed (finite values beyond the
+    dtype's largest finite value: an inf or NaN is not an overflow), `nonfinite`
+    the fraction that are inf or NaN after it. Whether the tensor holds such values
+    is exact: `overflow` and `nonfinite` are then at least one value's share.
+    The fractions (`overflow`, `nonfinite`, `underflow`: flushed to zero by the
+    cast, `subnormal`: held as subnormals, with less precision) are counted in a
+    sample of `sample` values taken at a fixed stride through each tensor, at most
+    4096 values per tensor (the whole tensor when it is smaller): a fraction `p`
+    estimated from `n` values is off by about `sqrt(p (1 - p) / n)`, under 0.8
+    percentage points for one tensor. `scale` is the fp8 scale used (the smallest,
+    for rowwise scales), or None outside fp8. Under `shard_map` a tensor that
+    differs from device to device (a batch shard) is counted on each device, one
+    that is the same on every device (a replicated weight) once; with
+    `check_vma=False` (and under `pmap`) JAX does not say which, and every device's
+    tensor is counted. Tensors inside `lax.while_loop` and `lax.cond` are not
+    measured (a warning says when products run there).
+
+    The steps or examples of a `Telemetry` (its `leading_shape`) come first in
+    each array, then the scan iterations:
+
+    ```python
+    _, stats = telemetry(step)(model, x)
+    stats.tensors[0].amax  # float32[] for one step, float32[n] in n scanned blocks
+    ```
     """
 
     layer: str = eqx.field(static=True)
@@ -99,6 +123,10 @@ _HEADER = (
     "layer", "role", "dtype", "amax", "underflow", "subnormal", "overflow",
     "nonfinite", "scale",
 )  # fmt: skip
+_INDEX_LEADING = (
+    "`Telemetry[...]` takes an int or a slice per leading axis (the steps of a "
+    "`lax.scan` or the examples of a `jax.vmap`)."
+)
 _TOP_IS_POSITIVE = "`top` must be a positive int, the number of rows to print"
 _NEEDS_CONCRETE = (
     "`Telemetry.rows()` and `summary()` read concrete values: call them on the "
@@ -113,24 +141,72 @@ class Telemetry(eqx.Module):
 
     The statistics are packed into one array per shape of entry (scalars, one entry
     per iteration of a scan, ...), so that a step returns a few arrays, not eight
-    per tensor (each output of a compiled program has a cost of its own)."""
+    per tensor (each output of a compiled program has a cost of its own).
 
-    packed: tuple[Float[Array, "tensors fields *iterations"], ...]
+    A `Telemetry` of several steps or examples, stacked by a `lax.scan` over steps
+    or made by `jax.vmap(telemetry(step))`, has their axes in front
+    (`leading_shape`): each `TensorStats` array has them first, and `telemetry[i]`
+    is step or example `i`, whose `rows()` and `summary()` read one step.
+
+    ```python
+    def run(model, xs):
+        def one(model, x):
+            (model, loss), stats = telemetry(train_step)(model, x)
+            return model, stats
+
+        return jax.lax.scan(one, model, xs)
+
+    model, stats = eqx.filter_jit(run)(model, xs)
+    stats.leading_shape  # (len(xs),)
+    print(stats[-1].summary())  # the last step
+    ```
+    """
+
+    packed: tuple[Float[Array, "..."], ...]  # (*leading, tensors, fields, *iterations)
     entries: tuple[tuple[str, str, str, bool, bool, int, int], ...] = eqx.field(
         static=True
     )  # (layer, role, dtype, at_cast, has scale, which packed array, row)
+    iterations: tuple[int, ...] = eqx.field(static=True)  # per packed array
+
+    @property
+    def leading_shape(self) -> tuple[int, ...]:
+        """The shape of the steps or examples in front of every statistic: `()` for
+        one step, `(n,)` for `n` steps stacked by a `lax.scan` or examples of a
+        `jax.vmap`."""
+        if not self.packed:
+            return ()
+        first, iterations = self.packed[0], self.iterations[0]
+        return tuple(first.shape[: first.ndim - 2 - iterations])
+
+    def __getitem__(self, index: Any) -> "Telemetry":
+        """Step or example `index` (ints and slices, one per leading axis) of a
+        `Telemetry` with leading axes: `telemetry[3]`, `telemetry[-1]`."""
+        leading = self.leading_shape
+        indices = index if isinstance(index, tuple) else (index,)
+        if not all(isinstance(i, (int, slice)) for i in indices) or len(indices) > len(
+            leading
+        ):
+            raise IndexError(
+                f"{_INDEX_LEADING} This one has leading axes of shape {leading}, "
+                f"not indexable by {index!r}."
+            )
+        packed = tuple(p[index] for p in self.packed)
+        return Telemetry(packed, self.entries, self.iterations)
 
     @property
     def tensors(self) -> tuple[TensorStats, ...]:
         """One `TensorStats` per layer, role and dtype (their arrays are numpy
-        arrays once the step has run)."""
+        arrays once the step has run, with the `leading_shape` in front)."""
         try:
             packed = [np.asarray(p) for p in self.packed]
         except jax.errors.TracerArrayConversionError:
             packed = list(self.packed)
+        leading = (slice(None),) * len(self.leading_shape)
         stats = []
         for layer, role, dtype, at_cast, has_scale, which, row in self.entries:
-            values: Any = {k: packed[which][row, i] for i, k in enumerate(_FIELDS)}
+            values: Any = {
+                k: packed[which][(*leading, row, i)] for i, k in enumerate(_FIELDS)
+            }
             if not has_scale:
                 values["scale"] = None
             stats.append(TensorStats(layer, role, dtype, at_cast, **values))
@@ -138,6 +214,14 @@ class Telemetry(eqx.Module):
 
     def rows(self) -> list[TensorRow]:
         """One row per layer, role, dtype and scan iteration, worst first."""
+        leading = self.leading_shape
+        if leading:
+            raise ValueError(
+                f"`Telemetry.rows()` and `summary()` read one step, and this "
+                f"`Telemetry` has leading axes of shape {leading} (from `jax.vmap` "
+                "or a `lax.scan` over steps): index it first, `telemetry[i]` for "
+                "step or example `i` (or `jax.tree.map(lambda x: x[i], telemetry)`)."
+            )
         rows = [row for stats in self.tensors for row in _rows(stats)]
         return sorted(rows, key=TensorRow.severity, reverse=True)
 
@@ -205,24 +289,26 @@ def _rows(stats: TensorStats) -> list[TensorRow]:
     return rows
 
 
-def _layer_name(path: Path, stack: tuple[int, ...]) -> str:
+def _layer_name(path: Path, stack: tuple[frozenset[Path], ...], leaves: set) -> str:
     """The path as a format string, with a `[{k}]` where the index of the k-th scan
     around the layer goes."""
     parts = [p.replace("{", "{{").replace("}", "}}") for p in path]
+    at = [index_position(path, scanned, leaves) for scanned in stack]
     # Innermost first, so that each position still refers to the original path.
-    for axis, at in reversed(list(enumerate(stack))):
-        parts.insert(len(path) if not 0 <= at <= len(path) else at, f"[{{{axis}}}]")
+    for axis, n in reversed(list(enumerate(at))):
+        parts.insert(n, f"[{{{axis}}}]")
     return "".join(parts)
 
 
-def _finish(made: list[Measured]) -> Telemetry:
-    """The named measurements, one `TensorStats` per layer, role and dtype."""
+def _finish(made: list[Measured], leaves: set[Path]) -> Telemetry:
+    """The named measurements, one `TensorStats` per layer, role and dtype;
+    `leaves` are the paths of the parameters."""
     groups: dict[tuple, list[Measured]] = collections.defaultdict(list)
     for m in made:
         site = m.site
         if site.layer is None:
             continue  # never read by a product: not a layer's tensor
-        name = _layer_name(site.layer, m.stack)
+        name = _layer_name(site.layer, m.stack, leaves)
         groups[(name, site.role, site.dtype, site.at_cast, m.amax.shape)].append(m)
     packs: dict[tuple, list[Array]] = {}
     entries = []
@@ -242,7 +328,7 @@ def _finish(made: list[Measured]) -> Telemetry:
         entries.append((name, role, dtype, at_cast, has_scale, which, len(rows)))
         rows.append(jnp.stack([jnp.broadcast_to(f, shape) for f in fields]))
     packed = tuple(jnp.stack(rows) for rows in packs.values())
-    return Telemetry(packed, tuple(entries))
+    return Telemetry(packed, tuple(entries), tuple(len(shape) for shape in packs))
 
 
 class _MeasuredStep(eqx.Module, Generic[_P, _T]):
@@ -317,7 +403,7 @@ def _measure(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Telemetry]:
     flat_shapes, out_treedef = jtu.tree_flatten(out_shapes)
     outs = [jnp.asarray(v) for v in cast_to(outs, [s.dtype for s in flat_shapes])]
     out = eqx.combine(jtu.tree_unflatten(out_treedef, outs), static_out[0])
-    return out, _finish(made)
+    return out, _finish(made, set(paths[:in_model]))
 
 
 def telemetry(step: Callable[_P, _T]) -> Callable[_P, tuple[_T, Telemetry]]:
@@ -337,8 +423,9 @@ def telemetry(step: Callable[_P, _T]) -> Callable[_P, tuple[_T, Telemetry]]:
     `step`'s first positional argument holds the parameters (a model, a `BiModel`,
     a `filter_amp` wrapper). It works with `filter_amp`, `autocast`, `BiModel` and
     fp8, under `jax.jit`, inside `lax.scan`-stacked blocks (one entry per
-    iteration) and under `shard_map` and sharded `jit` (global values). What runs
-    inside `lax.while_loop` and `lax.cond` (`redo_on_nan > 0` retries, for one) is
+    iteration), under `jax.vmap` and in a `lax.scan` over steps (one entry per
+    example or step: `Telemetry.leading_shape`), and under `shard_map` and sharded
+    `jit` (global values). What runs inside `lax.while_loop` and `lax.cond` (`redo_on_nan > 0` retries, for one) is
     not measured. Collect every N steps by calling the wrapped step then and `step`
     itself otherwise: `step` is not changed, so its compiled program is today's.
 
