@@ -312,6 +312,10 @@ def _gather_one(
     def forward(leaf, fp8_values):
         return gather(leaf, fp8_values), fp8_values
 
+    # The rule closes over the leaf's dtype, never the leaf: JAX keeps a rule with
+    # the program it traced, and a tracer in it would outlive the trace.
+    leaf_dtype = leaf.dtype
+
     def backward(fp8_values, cotangent):
         cotangent = cotangent.astype(widest_dtype([reduce_dtype, cotangent.dtype]))
         if per_device:
@@ -325,7 +329,7 @@ def _gather_one(
             summed = lax.psum_scatter(
                 cotangent, axis_name, scatter_dimension=axis, tiled=True
             )
-        return summed.astype(leaf.dtype), jtu.tree_map(jnp.zeros_like, fp8_values)
+        return summed.astype(leaf_dtype), jtu.tree_map(jnp.zeros_like, fp8_values)
 
     gather.defvjp(forward, backward)
     gathered = gather(leaf, fp8_values)

@@ -395,3 +395,43 @@ def test_fp8_gather_edge_values(getkey, case):
         assert float(jnp.max(jnp.abs(got - want) / jnp.abs(want).max())) < 2**-3
     else:  # tiny and subnormal: the capped scale keeps them finite, maybe flushed
         assert float(jnp.max(jnp.abs(got))) <= 2 * float(jnp.max(jnp.abs(w)))
+
+
+@pytest.mark.parametrize("road", ["filter_amp", "autocast", "bimodel", "gather"])
+def test_fp8_roads_hold_no_tracer_past_the_trace(getkey, road):
+    """What a road records of a weight's fp8 form (quantised once per call, or
+    gathered in fp8) lives no longer than the trace: `jax.checking_leaks` finds no
+    tracer of a finished trace, over retraces, and after them no tracer is left."""
+    import gc
+
+    model = _Net(getkey())
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    specs = jax.tree_util.tree_map(lambda _: P("data"), params)
+
+    def loss(params, x):
+        model = eqx.combine(params, static)
+        if road == "filter_amp":
+            out = jax.vmap(eqx_amp.filter_amp(model, fp8=FP8))(x)
+        elif road == "autocast":
+            rules = {jax.lax.dot_general_p: FP8}
+            out = eqx_amp.autocast(eqx.filter_vmap(model), rules=rules)(x)
+        else:
+            out = jax.vmap(eqx_amp.BiModel(model, fp8=FP8))(x)
+        return jnp.mean(out.astype(jnp.float32) ** 2)
+
+    if road == "gather":
+        steps = [_step(static, specs, FP8)]
+    else:  # the forward pass alone, and with its gradient
+        steps = [jax.jit(loss), jax.jit(jax.grad(loss))]
+
+    def live_tracers() -> int:
+        gc.collect()
+        return sum(isinstance(o, jax.core.Tracer) for o in gc.get_objects())
+
+    before = live_tracers()
+    with jax.checking_leaks():
+        for step in steps:
+            for batch in (16, 32, 48):  # a retrace each
+                out = step(params, jr.normal(getkey(), (batch, 32)))
+                assert {x.dtype for x in jax.tree_util.tree_leaves(out)} == {F32}
+    assert live_tracers() == before

@@ -11,6 +11,7 @@ from .._core._cast import overflows_by_dtype, warn_of_overflow
 from .._core._describe import is_module
 from .._core._policy import Policy, get_policy, resolve_policy
 from .._core._wrapper import FunctionWrapper, check_callable, user_stacklevel
+from .._fp8 import holding_fp8_values
 from .._jaxpr._evaluate import evaluate_function
 from ._hook import AutocastHook
 from ._rules import RuleTable
@@ -57,13 +58,15 @@ class AutocastWrapper(FunctionWrapper[_P, _T]):
         hook = AutocastHook(self.rules, policy.compute_dtype, policy.reduce_dtype)
         # The arrays of Equinox modules (`fn` itself, or arguments) and Flax NNX
         # parameters are parameters: they follow the activations they meet.
-        return evaluate_function(
-            _call,
-            (self.fn, args, kwargs),
-            hook,
-            params_are=_holds_params,
-            prepare=hook.quantize_weights if self.rules.uses_fp8 else None,
-        )
+        # The weights quantised once per call are held for its products only.
+        with holding_fp8_values():
+            return evaluate_function(
+                _call,
+                (self.fn, args, kwargs),
+                hook,
+                params_are=_holds_params,
+                prepare=hook.quantize_weights if self.rules.uses_fp8 else None,
+            )
 
 
 def _holds_params(node: Any) -> bool:

@@ -18,6 +18,7 @@ convolution with their derivative rules), `_rules` (where products run in fp8).
 
 from ._products import FP8_SCOPE as FP8_SCOPE
 from ._products import FP8_SKIPPED_SCOPE as FP8_SKIPPED_SCOPE
+from ._products import holding_fp8_values as holding_fp8_values
 from ._products import known_fp8 as known_fp8
 from ._products import remember_fp8 as remember_fp8
 from ._rules import FP8_PRIMITIVES as FP8_PRIMITIVES

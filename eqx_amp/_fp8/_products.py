@@ -1,9 +1,11 @@
 """The fp8 products and their derivative rules: matmuls (tensorwise or rowwise
 scales) and convolutions (tensorwise, fp8 forward only), first-order only."""
 
+import contextlib
+import contextvars
 import functools as ft
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -26,39 +28,67 @@ WEIGHT_AMAX_SCOPE = "weight_amaxes"
 FP8_SKIPPED_SCOPE = "eqx_amp.fp8_skipped"
 
 
-# Arrays whose fp8 values are already known: a weight all-gathered in fp8
-# (`gather_params(..., fp8=...)`) or quantised once for all of a call's products
-# (`quantize_weights_once`), keyed by `id` (tracers are unhashable) and dropped with
-# the array. A tensorwise fp8 product reading one of them reads those fp8 values and
-# that scale, so nothing quantises the weight again.
-_known: dict[int, tuple[weakref.ref, Array, Array]] = {}
+# Arrays whose tensorwise fp8 values are already known: a weight all-gathered in
+# fp8 (`gather_params(..., fp8=...)`) or quantised once for all of a call's
+# products (`quantize_weights_once`), keyed by `id` (tracers are unhashable). A
+# tensorwise fp8 product reading one of them reads those fp8 values and that
+# scale, so nothing quantises the weight again.
+#
+# The table holds weak references only. Holding the fp8 tracers would keep their
+# trace, and every tracer of it, alive past the trace (and the weight too, so the
+# entry would never go). A gathered weight is computed from its fp8 values, so they
+# live as long as it does; the weights quantised once per call have their fp8 values
+# held by `holding_fp8_values()` around the call, which lets them go when it ends.
+_known: dict[int, tuple[weakref.ref, weakref.ref, weakref.ref]] = {}
+_held: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "eqx_amp_fp8_held", default=None
+)
+
+
+@contextlib.contextmanager
+def holding_fp8_values() -> Iterator[None]:
+    """Within it, the fp8 values `remember_fp8` records are held (an fp8 road's
+    evaluation, whose products read weights quantised before them); after it, only
+    what still uses them does."""
+    token = _held.set([])
+    try:
+        yield
+    finally:
+        _held.reset(token)
 
 
 def remember_fp8(array: Array, quantized: Array, scale: Array) -> Array:
     """Records that `array`'s tensorwise fp8 form is `quantized` with the float32
     `scale` (a scalar); returns `array`. Only for a traced `array`: a concrete one
     outlives the trace whose values would be recorded for it (a closed-over weight
-    is quantised where it is read)."""
+    is quantised where it is read). The record lasts while `array`, `quantized`
+    and `scale` all live: `array` computed from the other two, or within
+    `holding_fp8_values()`."""
     if not compat.is_traced(array):
         return array
     key = id(array)
+    # The callbacks hold the dict itself, not the module global, which is gone at
+    # interpreter exit.
+    drop = lambda _, known=_known: known.pop(key, None)  # noqa: E731
     _known[key] = (
-        # The dict itself, not the module global, which is gone at interpreter exit.
-        weakref.ref(array, lambda _, known=_known: known.pop(key, None)),
-        quantized,
-        scale,
+        weakref.ref(array, drop),
+        weakref.ref(quantized),
+        weakref.ref(scale),
     )
+    held = _held.get()
+    if held is not None:
+        held.append((quantized, scale))
     return array
 
 
 def known_fp8(array: Any) -> tuple[Array, Array] | None:
     """`array`'s fp8 values and scale (shaped to broadcast against it), if
-    recorded."""
+    recorded and alive."""
     entry = _known.get(id(array))
     if entry is None or entry[0]() is not array:
         return None
-    _, quantized, scale = entry
-    if quantized.shape != array.shape:
+    quantized, scale = entry[1](), entry[2]()
+    if quantized is None or scale is None or quantized.shape != array.shape:
         return None
     return quantized, jnp.reshape(scale, (1,) * array.ndim)
 

@@ -25,6 +25,7 @@ from ._products import (
     fp8_conv,
     fp8_matmul,
     free_axes,
+    holding_fp8_values,
     known_fp8,
     remember_fp8,
 )
@@ -67,13 +68,14 @@ class Fp8Rule:
         all of them (`filter_amp(..., fp8=...)`, which reaches fp8 through this
         method rather than importing it)."""
         prepare = ft.partial(quantize_weights_once, self.quantizes_once, None)
-        return evaluate_function(
-            _call,
-            (fn, args, kwargs),
-            Fp8ParamsHook(self.scaling),
-            param_arrays=params,
-            prepare=prepare,
-        )
+        with holding_fp8_values():
+            return evaluate_function(
+                _call,
+                (fn, args, kwargs),
+                Fp8ParamsHook(self.scaling),
+                param_arrays=params,
+                prepare=prepare,
+            )
 
     def quantizes_once(self, eqn: Any) -> bool:
         """Whether the product `eqn` reads weights quantised once per call
