@@ -135,7 +135,7 @@ def _amax(magnitude: Array, scale: Array | None) -> Array:
     if scale.ndim == magnitude.ndim:
         axes = tuple(i for i, n in enumerate(scale.shape) if n == 1)
         largest = _from_bits(jnp.max(magnitude, axis=axes, keepdims=True))
-        return jnp.max(largest / scale)
+        return _from_bits(jnp.max(_magnitude_bits(largest / scale)))
     return _from_bits(jnp.max(magnitude)) / jnp.min(scale)
 
 
