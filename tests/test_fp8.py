@@ -564,3 +564,30 @@ def test_backward_fp8_products_accumulate_precisely(getkey, road, rule):
     assert all(
         _precision(e) in (None, (jax.lax.Precision.DEFAULT,) * 2) for e in forward
     )
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_products_near_the_largest_bfloat16_are_the_same_under_jit(scaling):
+    """Weights at bfloat16's largest value: the finite product eager mode gives is
+    the one `jax.jit` gives (XLA once folded the two inverse scales into
+    `amax_x * amax_w / 448**2`, which overflowed), forward and backward."""
+    big = float(jnp.finfo(jnp.bfloat16).max)
+    x = jnp.zeros((16, 16)).at[0, 0].set(1.5).at[1, 1].set(0.5)
+    w = jnp.ones((16, 16)).at[1, :].set(big)
+    g = jnp.full((16, 16), 1e-3)
+
+    def f(x, w):
+        out, pullback = jax.vjp(
+            lambda x, w: eqx_amp.fp8.dot_general(
+                x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32
+            ),
+            x,
+            w,
+        )
+        return out, pullback(g)
+
+    eager, jitted = f(x, w), jax.jit(f)(x, w)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+        assert bool(jnp.isfinite(a).all()) and bool(jnp.isfinite(b).all())
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6)
+    assert float(jitted[0][1, 0]) == pytest.approx(0.5 * big, rel=0.07)

@@ -3,6 +3,7 @@ scale nor its inverse leaves float32's normal range."""
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxtyping import Array
 
 
@@ -56,6 +57,11 @@ def unscale(product: Array, inverse_a: Array, inverse_b: Array) -> Array:
     factor where that is a normal float32, otherwise the larger one first, whose
     product can only overflow (or the smaller's underflow) where the result does."""
     f32 = jnp.finfo(jnp.float32)
+    # Left visible, XLA folds `1 / (448 / amax)` into each inverse and multiplies the
+    # two amaxes before dividing by 448**2: that overflows where the inverses'
+    # product does not (weights near bfloat16's largest value), a finite result
+    # turned into inf under `jit` alone. The barrier keeps the order written here.
+    inverse_a, inverse_b = lax.optimization_barrier((inverse_a, inverse_b))
     both = inverse_a * inverse_b
     in_range = (both >= f32.tiny) & (both <= f32.max)
     larger, smaller = (
