@@ -208,3 +208,38 @@ def test_a_layer_given_wide_data_is_not_named_as_its_cause():
         advice,
     ), advice
     assert "keep(model" not in advice and "`eqx.nn.MLP` makes" not in advice
+
+
+def test_a_model_is_named_through_jit_and_a_lambda():
+    """`jax.jit(lambda x: amp(x))` is advised by the model the lambda calls, not
+    as `<lambda>`; the compute dtype is that wrapper's policy."""
+    amp = eqx_amp.filter_amp(_rnn(8), policy="mixed_float16")
+    for jitted in (jax.jit(lambda x: amp(x)), eqx.filter_jit(lambda x: amp(x))):
+        advice = _report(jitted, _XS[0]).advice
+        assert re.search(
+            r"FLOPs of _RNN( under `eqx\.filter_jit`)? run in float16", advice
+        ), advice
+        assert "<lambda>" not in advice
+
+
+def test_a_float16_rnn_under_vmap_and_grad_is_advised_on_its_carry():
+    """Under `eqx.filter_vmap` and `eqx.filter_grad`, the cause is the carry made
+    in float32, not a layer of the RNN (the backward pass is wide where the
+    forward pass was; a cast JAX inserts for promotion is not a cause)."""
+    model = _rnn(16)
+
+    def loss(model, xs):
+        return jnp.mean(eqx.filter_vmap(model)(xs))
+
+    for fn, name in [
+        (eqx_amp.filter_amp(eqx.filter_vmap(model), policy="mixed_float16"),
+         r"_RNN under `eqx\.filter_vmap`"),
+        (eqx.filter_grad(eqx_amp.filter_amp(loss, policy="mixed_float16")),
+         r"\S*\.loss under `eqx\.filter_grad`"),
+    ]:  # fmt: skip
+        args = (_XS,) if name.startswith("_RNN") else (model, _XS)
+        advice = _report(fn, *args).advice
+        assert re.search(rf"FLOPs of {name} run in float16", advice), advice
+        assert "an input or loop carry of `scan` at" in advice
+        assert "Cast that array to the compute dtype where it is made" in advice
+        assert "custom_vjp_call" not in advice and "keep(model" not in advice

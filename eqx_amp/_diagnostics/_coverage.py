@@ -144,8 +144,26 @@ def _wrapped_chain(fn: Any) -> Iterator[Any]:
             fn = fn.master
         elif isinstance(fn, ft.partial):
             fn = fn.func
+        elif hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
         else:
-            fn = getattr(fn, "__wrapped__", None)
+            fn = _called_wrapper(fn)
+
+
+def _called_wrapper(fn: Any) -> Any:
+    """The one eqx_amp wrapper (`filter_amp`, `autocast`, `BiModel`) that a lambda
+    calls, through its closure, defaults or globals (`jax.jit(lambda x:
+    amp_model(x))`); `None` for none or several, or for a named function."""
+    if not isinstance(fn, types.FunctionType) or fn.__name__ != "<lambda>":
+        return None
+    cells = [cell.cell_contents for cell in fn.__closure__ or ()]
+    named = [fn.__globals__.get(name) for name in fn.__code__.co_names]
+    found = {
+        id(value): value
+        for value in [*cells, *(fn.__defaults__ or ()), *named]
+        if isinstance(value, (FunctionWrapper, BiModel))
+    }
+    return next(iter(found.values())) if len(found) == 1 else None
 
 
 def _kept_layers(fn: Any) -> set[str]:
@@ -162,7 +180,13 @@ def _kept_layers(fn: Any) -> set[str]:
 def model_name(fn: Any) -> str:
     """What the user would call the function: a module's class (`eqx.nn.Sequential`
     with its layers, what an Equinox transform wraps), a function's name; through
-    `filter_amp`, `autocast`, `BiModel` and `jax.vmap`."""
+    `filter_amp`, `autocast`, `BiModel`, `jax.vmap`, `jax.jit` and a lambda calling
+    one wrapper:
+
+    ```python
+    model_name(jax.jit(lambda x: filter_amp(model)(x)))  # "MLP", not "<lambda>"
+    ```
+    """
     if isinstance(fn, FunctionWrapper):  # `filter_amp`, `autocast`
         return model_name(fn.fn)
     if isinstance(fn, BiModel):
@@ -179,6 +203,9 @@ def model_name(fn: Any) -> str:
     wrapped = getattr(fn, "__wrapped__", None)
     if wrapped is not None and not isinstance(fn, eqx.Module):  # `jax.vmap(f)`
         return model_name(wrapped)
+    called = _called_wrapper(fn)
+    if called is not None:  # `jax.jit(lambda x: amp_model(x))`
+        return model_name(called)
     if isinstance(fn, (types.FunctionType, types.MethodType)):
         return fn.__qualname__
     return type(fn).__name__
@@ -188,5 +215,7 @@ _EQUINOX_TRANSFORMS = {
     "_VmapWrapper": "`eqx.filter_vmap`",
     "_PmapWrapper": "`eqx.filter_pmap`",
     "_JitWrapper": "`eqx.filter_jit`",
+    "_GradWrapper": "`eqx.filter_grad`",
+    "_ValueAndGradWrapper": "`eqx.filter_value_and_grad`",
     "_CheckpointWrapper": "`eqx.filter_checkpoint`",
 }

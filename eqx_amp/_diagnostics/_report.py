@@ -4,14 +4,13 @@ import collections
 import dataclasses
 import math
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
-import jax.tree_util as jtu
 from jax import lax
 
 from .._core._cast import is_floating_array, is_floating_dtype, is_half_dtype
@@ -27,6 +26,7 @@ from .._jaxpr._hook import (
     is_higher_order,
     leaf_origins,
 )
+from ._causes import WideCauses, state_inputs
 from ._coverage import coverage_advice
 
 
@@ -297,14 +297,14 @@ def precision_report(fn: Callable, *args: Any, **kwargs: Any) -> PrecisionReport
     ```
     """
     closed = trace(fn, args, kwargs)
-    census = _Census(dead_equations(closed), _state_inputs((fn, args, kwargs)))
+    census = _Census(dead_equations(closed), state_inputs((fn, args, kwargs)))
     jaxpr, _ = compat.open_jaxpr(closed)
     # The avals themselves: they carry the varying manual axes of a `shard_map`.
     structs = [v.aval for v in jaxpr.invars]
     origins = _argument_origins((fn, args, kwargs))
 
     def run(*xs):
-        census.start(xs)
+        census.causes.start(xs)
         return evaluate(closed, xs, census, origins=origins)[0]
 
     jax.eval_shape(run, *structs)
@@ -317,33 +317,13 @@ def _argument_origins(tree: Any) -> list[Origin]:
     return leaf_origins(eqx.filter(tree, _is_input), is_module)
 
 
-def _state_inputs(tree: Any) -> list[bool]:
-    """Per input of the traced program, whether it is held by an `eqx.nn.State`: a
-    layer's own state (SpectralNorm's), which the layer reading it is the cause of
-    when it is wide, where a wide argument is its caller's doing."""
-    is_state = lambda x: isinstance(x, eqx.nn.State)  # noqa: E731
-    flags: list[bool] = []
-    for node in jtu.tree_leaves(eqx.filter(tree, _is_input), is_leaf=is_state):
-        flags += [is_state(node)] * len(jtu.tree_leaves(node))
-    return flags
-
-
 class _Census(Hook):
     """Counts every equation the program runs, as the evaluator meets it."""
 
-    def __init__(self, dead: dict[int, Any], state_inputs: list[bool]):
+    def __init__(self, dead: dict[int, Any], state_flags: list[bool]):
         # Equations whose outputs nothing uses: they never run, and are not counted.
         self._dead = dead
-        self._state_inputs = state_inputs
-        # id(program input) -> whether an `eqx.nn.State` holds it; set by `start`.
-        self._is_state: dict[int, bool] = {}
-        # id(wide value) -> (value, "`op` at file:line", scope): the op that first
-        # made its data wide, its cause; kept alive with its entry. A value an op
-        # computes from a wide one inherits that one's cause: an `eqx.nn.MLP` given
-        # float32 data is not why its result is float32.
-        self._cause: dict[int, tuple[Any, str, str]] = {}
-        # id(higher-order equation) -> (it, the cause of its first wide input)
-        self._entering_cause: dict[int, tuple[Any, tuple[Any, str, str] | None]] = {}
+        self.causes = WideCauses(state_flags)
         self.ops: dict[str, collections.Counter] = collections.defaultdict(
             collections.Counter
         )
@@ -374,20 +354,16 @@ class _Census(Hook):
             self._count(eqn, frame, invals)
             if eqn.primitive in MATMUL_PRIMITIVES:
                 self._explain_wide_operands(eqn, frame, invals, origins)
-        causes = [self._cause_of(v, frame) for v in invals if _is_wide(v)]
-        inherited = next((c for c in causes if c is not None), None)
+        inherited = self.causes.entering(eqn, invals, frame)
         if is_higher_order(eqn):
             self._entering[id(eqn)] = (eqn, self._wide_sources(invals))
-            self._entering_cause[id(eqn)] = (eqn, inherited)
         outvals = evaluate(invals)
         made_by = f"`{eqn.primitive.name}` at {frame.source(eqn)}"
         scope = "/".join(frame.scopes)
         for value in outvals:
             self._made_by.setdefault(id(value), (value, made_by))
             self._made_in.setdefault(id(value), scope)
-            if _is_wide(value) and id(value) not in self._cause:
-                cause = inherited or (value, made_by, scope)
-                self._cause[id(value)] = (value, cause[1], cause[2])
+        self.causes.made(eqn, outvals, frame, made_by, inherited)
         if eqn.primitive is lax.convert_element_type_p:
             source = self._from_fp8.get(id(invals[0]), (None, None))[1]
             if source is None and _is_fp8(eqn.invars[0].aval.dtype):
@@ -398,22 +374,6 @@ class _Census(Hook):
             if source is not None and widening and not _fp8_skipped_reason(frame):
                 self._from_fp8.setdefault(id(outvals[0]), (outvals[0], source))
         return outvals
-
-    def start(self, inputs: Sequence[Any]) -> None:
-        """Records which of the program's inputs `eqx.nn.State` holds."""
-        self._is_state = {id(x): s for x, s in zip(inputs, self._state_inputs)}
-
-    def _cause_of(self, value: Any, frame: Frame) -> tuple[Any, str, str] | None:
-        """The op that made `value`'s data wide; `None` where the op reading it is
-        the cause (a layer reading its own float32 state). The input of a loop body
-        or call has the cause of what entered it; an argument, its caller."""
-        if id(value) in self._cause:
-            return self._cause[id(value)]
-        if frame.caller is not None:
-            return self._entering_cause.get(id(frame.caller[1]), (None, None))[1]
-        if self._is_state.get(id(value), False):
-            return None
-        return (value, "", "")  # "": an input of the function
 
     def _read_dtypes(self, eqn, invals) -> tuple[str, ...]:
         """The dtypes a product's operands hold: fp8 for conversions up from fp8."""
@@ -445,15 +405,9 @@ class _Census(Hook):
                 source=frame.source(eqn),
                 reason=self._why_wide(value, origin, frame),
                 origin=origin.name.lower(),
-                made_in=self._cause_scope(value, frame),
+                made_in=self.causes.scope(value, frame),
             )
         )
-
-    def _cause_scope(self, value: Any, frame: Frame) -> str:
-        cause = self._cause_of(value, frame)
-        if cause is None:  # read here first: made wide by the op reading it
-            return "/".join(frame.scopes)
-        return cause[2]
 
     def _wide_sources(self, values: list) -> list[str]:
         return [
@@ -480,7 +434,7 @@ class _Census(Hook):
                 where += f", which enters it as {dtype} made by {entering[0]}"
         else:
             where = "an input of the function"
-        cause = self._cause_of(value, frame)
+        cause = self.causes.of(value, frame)
         if cause is not None and cause[1] not in where:
             first = (
                 f"made {dtype} by {cause[1]}"
@@ -542,10 +496,6 @@ class _Census(Hook):
             wide_matmuls=tuple(sorted(self.wide, key=lambda w: -w.flops)),
             fp8_skipped=tuple(self.fp8_skipped),
         )
-
-
-def _is_wide(value: Any) -> bool:
-    return is_floating_array(value) and not is_half_dtype(value.dtype)
 
 
 def _floating_aval(atom: Any) -> bool:
