@@ -18,15 +18,8 @@ from .._bimodel import BiModel
 from .._core._wrapper import FunctionWrapper, check_callable
 from .._jaxpr._evaluate import evaluate_making
 from .._jaxpr._hook import Origin, cast_to
-from ._measure import (
-    Measure,
-    Measured,
-    Naming,
-    Path,
-    combine,
-    index_position,
-    keyed_paths,
-)
+from ._measure import Measure, Measured, combine
+from ._naming import Naming, Path, index_position, keyed_paths
 
 
 _P = ParamSpec("_P")
