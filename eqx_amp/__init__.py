@@ -27,6 +27,7 @@ from ._core._policy import Policy as Policy
 from ._core._policy import default_policy as default_policy
 from ._core._policy import get_policy as get_policy
 from ._core._policy import using_policy as using_policy
+from ._diagnostics._first_call import check_coverage as _check_coverage
 from ._diagnostics._nonfinite import find_nonfinite as find_nonfinite
 from ._diagnostics._report import precision_report as precision_report
 from ._filter_amp._filter_amp import filter_amp as filter_amp
@@ -46,6 +47,9 @@ from ._loss_scaling._skipping import select_tree as select_tree
 
 
 _warn_if_untested()
+# `filter_amp` warns of low coverage through the check the diagnostics register
+# here: its own modules may not import them.
+_check_coverage(True)
 
 try:
     __version__ = _metadata.version("eqx_amp")

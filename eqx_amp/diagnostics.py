@@ -11,6 +11,8 @@ outputs, stats = eqx.filter_jit(eqx_amp.diagnostics.telemetry(train_step))(model
 they return live here.
 """
 
+from ._diagnostics._first_call import CoverageWarning as CoverageWarning
+from ._diagnostics._first_call import check_coverage as check_coverage
 from ._diagnostics._nonfinite import NonfiniteOp as NonfiniteOp
 from ._diagnostics._nonfinite import find_nonfinite as find_nonfinite
 from ._diagnostics._report import PrecisionReport as PrecisionReport

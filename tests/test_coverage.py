@@ -13,6 +13,7 @@ form and `BiModel`; a program that is not mixed precision, and one under `autoca
 cause and the fix, and give the share the report itself gives.
 """
 
+import functools as ft
 import re
 import warnings
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import pytest
 
 import eqx_amp
+from eqx_amp.diagnostics import CoverageWarning
 
 
 class _RNN(eqx.Module):
@@ -162,10 +164,10 @@ def test_spectral_norm_is_named_as_the_cause_and_keeping_it_fixes_it():
     assert report.advice == "" and report.low_precision_share > 0.5
 
 
-def test_a_call_traces_the_function_once_and_warns_of_nothing():
-    """The coverage is the report's to measure: `filter_amp`'s call traces the
-    user's function once, as the function alone would be, under `jit` and
-    concretely, and says nothing of a model the report would advise on."""
+def test_a_call_traces_the_function_once():
+    """The check runs on the first traced call of a model class under a policy and
+    traces the user's function once there too (to a jaxpr it evaluates): under
+    `jit`, concretely, and through `BiModel`."""
     traces = []
 
     class CountsTraces(eqx.Module):
@@ -176,17 +178,22 @@ def test_a_call_traces_the_function_once_and_warns_of_nothing():
             return self.rnn(xs)
 
     amp = eqx_amp.filter_amp(CountsTraces(_rnn(8)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         with jax.numpy_dtype_promotion("standard"):
-            jax.make_jaxpr(amp)(_XS[0])
+            jax.make_jaxpr(amp)(_XS[0])  # checked here
             assert len(traces) == 1
             eqx.filter_jit(amp)(_XS[0])
             assert len(traces) == 2
             amp(_XS[0])  # concrete arrays
             assert len(traces) == 3
-            eqx.filter_jit(eqx_amp.BiModel(CountsTraces(_rnn(8))))(_XS[0])
+            bimodel = eqx_amp.BiModel(CountsTraces(_rnn(8)), policy="mixed_float16")
+            eqx.filter_jit(bimodel)(_XS[0])  # checked here
             assert len(traces) == 4
+    coverage = [w for w in caught if w.category is CoverageWarning]
+    assert [str(w.message)[:40] for w in coverage] == 2 * [
+        "Only 33% of the matmul/convolution FLOPs"
+    ]
 
 
 def _generator_loss(generator, key):
@@ -243,3 +250,153 @@ def test_a_float16_rnn_under_vmap_and_grad_is_advised_on_its_carry():
         assert "an input or loop carry of `scan` at" in advice
         assert "Cast that array to the compute dtype where it is made" in advice
         assert "custom_vjp_call" not in advice and "keep(model" not in advice
+
+
+#
+# The warning `filter_amp` gives on a model's first traced call.
+#
+
+
+@pytest.fixture(autouse=True)
+def _check_every_model_afresh():
+    """Each test sees every model class unchecked (the check remembers per process)."""
+    eqx_amp.diagnostics.check_coverage(True)
+    yield
+    eqx_amp.diagnostics.check_coverage(True)
+
+
+def _coverage_warnings(fn, *args):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with jax.numpy_dtype_promotion("standard"):
+            out = fn(*args)
+    return out, [w for w in caught if w.category is CoverageWarning]
+
+
+def _train_rnn_step(amp_model_of):
+    """equinox's `train_rnn` example, small: a jitted value-and-grad of a loss that
+    vmaps the model over the batch."""
+
+    def loss(model, xs):
+        out = jax.vmap(amp_model_of(model))(xs)  # the user's line
+        return jnp.mean(out.astype(jnp.float32))
+
+    line = loss.__code__.co_firstlineno + 1
+    return eqx.filter_jit(eqx.filter_value_and_grad(loss)), line
+
+
+def test_an_rnn_with_a_float32_carry_warns_once_at_the_users_line():
+    step, line = _train_rnn_step(eqx_amp.filter_amp)
+    model = _rnn(16)
+    (loss, grads), caught = _coverage_warnings(step, model, _XS)
+    [warning] = caught
+    assert (warning.filename, warning.lineno) == (__file__, line)
+    # The text `precision_report(...).advice` gives: cause and fix.
+    assert str(warning.message) == _report(eqx_amp.filter_amp(model), _XS[0]).advice
+    with pytest.warns(
+        CoverageWarning,
+        match=(
+            r"^Only 20% of the matmul/convolution FLOPs of _RNN run in bfloat16 "
+            r"\(matmuls on parameters the filter spec keeps are not counted\): the "
+            r"rest read a wider operand\. The largest, 80% of them, is `dot_general` "
+            r"at \S+_rnn\.py:\d+ \(GRUCell\.__call__\), whose wide operand is float32 "
+            r"data .*, an input or loop carry of `scan` at \S+test_coverage\.py:\d+ "
+            r"\(_RNN\.__call__\), which enters it as float32 made by "
+            r"`broadcast_in_dim` at \S+test_coverage\.py:\d+ \(_RNN\.__call__\)\. "
+            r"Cast that array to the compute dtype where it is made or enters "
+            r"\(`jnp\.zeros\(n, x\.dtype\)`, `h\.astype\(x\.dtype\)`\), or use "
+            r"`eqx_amp\.autocast`, which casts every matmul's operands\. "
+            r"`wide_matmuls` lists every such matmul\.$"
+        ),
+    ):
+        eqx_amp.diagnostics.check_coverage(True)  # forgets what it checked
+        with jax.numpy_dtype_promotion("standard"):
+            _train_rnn_step(eqx_amp.filter_amp)[0](model, _XS)
+    # Once per class and policy: another instance, another shape, another step.
+    step2, _ = _train_rnn_step(eqx_amp.filter_amp)
+    assert _coverage_warnings(step2, _rnn(8), _XS[:, :2])[1] == []
+    # Another policy is another check.
+    step16, _ = _train_rnn_step(ft.partial(eqx_amp.filter_amp, policy="mixed_float16"))
+    [warning] = _coverage_warnings(step16, model, _XS)[1]
+    assert "FLOPs of _RNN run in float16" in str(warning.message)
+    # The checked call computes what the plain call does, gradients included.
+    eqx_amp.diagnostics.check_coverage(False)
+    step_plain, _ = _train_rnn_step(eqx_amp.filter_amp)
+    (loss_plain, grads_plain), caught = _coverage_warnings(step_plain, model, _XS)
+    assert caught == [] and loss == loss_plain
+    assert eqx.tree_equal(grads, grads_plain)
+
+
+class _Stateful(eqx.Module):
+    """equinox's `stateful` example, small: SpectralNorm's power iteration runs on
+    its float32 state."""
+
+    linear1: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+    spectral: eqx.nn.SpectralNorm
+    linear2: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.linear1 = eqx.nn.Linear(3, 32, key=k1)
+        self.norm = eqx.nn.BatchNorm(32, axis_name="batch", mode="batch")
+        self.spectral = eqx.nn.SpectralNorm(
+            eqx.nn.Linear(32, 32, key=k2), "weight", key=k3
+        )
+        self.linear2 = eqx.nn.Linear(32, 3, key=k4)
+
+    def __call__(self, x, state):
+        x = self.linear1(x)
+        x, state = self.norm(x, state)
+        x = jax.nn.relu(x)
+        x, state = self.spectral(x, state)
+        return self.linear2(jax.nn.relu(x)), state
+
+
+def test_spectral_norm_warns_with_the_layer_to_keep():
+    model, state = eqx.nn.make_with_state(_Stateful)(jax.random.key(0))
+    xs = jnp.ones((4, 3))
+
+    @eqx.filter_jit
+    def step(model, state, xs):
+        amp = eqx_amp.filter_amp(model)
+        batched = jax.vmap(amp, (0, None), (0, None), axis_name="batch")
+        out, state = batched(xs, state)  # the user's line
+        return jnp.mean(out), state
+
+    line = step.__wrapped__.__code__.co_firstlineno + 4
+    _, caught = _coverage_warnings(step, model, state, xs)
+    [warning] = caught
+    assert (warning.filename, warning.lineno) == (__file__, line)
+    message = str(warning.message)
+    # The first layer reads the cast input; what BatchNorm hands on is float32.
+    assert message.startswith("Only 2% of the matmul/convolution FLOPs of _Stateful")
+    assert (
+        "`eqx.nn.SpectralNorm` makes its result float32 from its own float32 state "
+        "or parameters: keep it in the parameter dtype, where it then runs by choice "
+        "(`filter_spec=eqx_amp.keep(model, eqx.nn.SpectralNorm)`)"
+    ) in message
+
+
+def test_no_warning_for_a_model_that_runs_in_half_precision():
+    mlp = eqx.nn.MLP(4, 4, 32, 2, key=jax.random.key(0))
+    fixed = _rnn(8, carry_in_input_dtype=True)
+    for model, xs in [(mlp, _XS[:, 0]), (fixed, _XS)]:
+        out, caught = _coverage_warnings(
+            eqx.filter_jit(jax.vmap(eqx_amp.filter_amp(model))), xs
+        )
+        assert caught == [] and out.dtype == jnp.float32
+    # Under `precision_report`, which gives the advice itself: no warning either.
+    assert _coverage_warnings(_report, eqx_amp.filter_amp(_rnn(8)), _XS[0])[1] == []
+
+
+def test_the_warning_is_silenced_by_its_category_or_the_switch():
+    step, _ = _train_rnn_step(eqx_amp.filter_amp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # what is not ignored
+        warnings.filterwarnings("ignore", category=CoverageWarning)
+        with jax.numpy_dtype_promotion("standard"):
+            step(_rnn(16), _XS)
+    eqx_amp.diagnostics.check_coverage(False)
+    step, _ = _train_rnn_step(eqx_amp.filter_amp)
+    assert _coverage_warnings(step, _rnn(16), _XS)[1] == []

@@ -4,7 +4,7 @@ import collections
 import dataclasses
 import math
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -15,6 +15,7 @@ from jax import lax
 
 from .._core._cast import is_floating_array, is_floating_dtype, is_half_dtype
 from .._core._describe import is_module
+from .._filter_amp._first_call import unchecked
 from .._fp8 import FP8_SCOPE, FP8_SKIPPED_SCOPE
 from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import evaluate
@@ -51,14 +52,15 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Any:
     weights) as inputs rather than constants."""
     if not callable(fn):
         raise TypeError(f"Expected a callable to inspect, but got {type(fn).__name__}.")
-    return eqx.filter_make_jaxpr(_call)(fn, args, kwargs)[0]
+    with unchecked():  # the report gives the advice the check would
+        return eqx.filter_make_jaxpr(_call)(fn, args, kwargs)[0]
 
 
 def _is_input(leaf: Any) -> bool:
     return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
 
 
-def _matmul_flops(eqn: Any) -> int:
+def matmul_flops(eqn: Any) -> int:
     out = eqn.outvars[0].aval
     if eqn.primitive is lax.conv_general_dilated_p:
         rhs = eqn.invars[1].aval
@@ -297,19 +299,35 @@ def precision_report(fn: Callable, *args: Any, **kwargs: Any) -> PrecisionReport
     ```
     """
     closed = trace(fn, args, kwargs)
-    census = _Census(dead_equations(closed), state_inputs((fn, args, kwargs)))
     jaxpr, _ = compat.open_jaxpr(closed)
     # The avals themselves: they carry the varying manual axes of a `shard_map`.
     structs = [v.aval for v in jaxpr.invars]
-    origins = _argument_origins((fn, args, kwargs))
+    reports = []
 
     def run(*xs):
-        census.causes.start(xs)
-        return evaluate(closed, xs, census, origins=origins)[0]
+        outs, report = counted_run(closed, (fn, args, kwargs), xs)
+        reports.append(report)
+        return outs
 
     jax.eval_shape(run, *structs)
-    report = census.report()
-    return dataclasses.replace(report, advice=coverage_advice(report, fn))
+    return dataclasses.replace(reports[0], advice=coverage_advice(reports[0], fn))
+
+
+def counted_run(
+    closed: Any, tree: Any, leaves: Sequence[Any]
+) -> tuple[list, PrecisionReport]:
+    """The outputs of `closed`, the program traced from the arrays of `tree`
+    (`(fn, args, kwargs)`), on `leaves`, those arrays or tracers of them; and the
+    report of what it ran (no `advice`: that needs the wrapper the user holds).
+
+    ```python
+    outs, report = counted_run(closed, (fn, args, kwargs), leaves)
+    ```
+    """
+    census = _Census(dead_equations(closed), state_inputs(tree))
+    census.causes.start(leaves)
+    outs = evaluate(closed, leaves, census, origins=_argument_origins(tree))[0]
+    return outs, census.report()
 
 
 def _argument_origins(tree: Any) -> list[Origin]:
@@ -400,7 +418,7 @@ class _Census(Hook):
             WideMatmul(
                 primitive=eqn.primitive.name,
                 dtypes=_dtype_names(eqn.invars[:2]),
-                flops=_matmul_flops(eqn) * frame.repeats,
+                flops=matmul_flops(eqn) * frame.repeats,
                 scope="/".join(frame.scopes),
                 source=frame.source(eqn),
                 reason=self._why_wide(value, origin, frame),
@@ -455,7 +473,7 @@ class _Census(Hook):
         in_dtypes = _dtype_names(eqn.invars)
         self.ops[name][in_dtypes] += 1
         if eqn.primitive in MATMUL_PRIMITIVES:
-            flops = _matmul_flops(eqn) * frame.repeats
+            flops = matmul_flops(eqn) * frame.repeats
             self.matmul_flops += flops
             read = self._read_dtypes(eqn, invals)
             self.flops_by_dtypes[read] += flops

@@ -37,6 +37,7 @@ from .._core._wrapper import FunctionWrapper, check_callable, user_stacklevel
 from .._jaxpr._evaluate import evaluate_function
 from .._sharding import ReduceInHook
 from ._boundary import call_at
+from ._first_call import call_checked
 from ._view import amp_view, cast_arguments, check_mutable_captures, is_pytree_node
 
 
@@ -118,7 +119,7 @@ class AmpWrapper(FunctionWrapper[_P, _T]):
                 _warn_fp8_filter_selects_nothing(copies)
             out = self.fp8.run_in_fp8(fn, cast_args, cast_kwargs, params)
         elif policy.reduce_dtype == policy.compute_dtype:
-            out = fn(*cast_args, **cast_kwargs)
+            out = call_checked(self, policy, fn, cast_args, cast_kwargs)
         else:
             # Only the matmuls reading parameters change: their weight gradients are
             # emitted (and so reduced across devices) in the reduce dtype.
