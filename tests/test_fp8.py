@@ -1,5 +1,7 @@
 """fp8 matmuls with current scaling: `eqx_amp.fp8.dot_general` and autocast's fp8 rules."""
 
+import pickle
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -591,3 +593,42 @@ def test_products_near_the_largest_bfloat16_are_the_same_under_jit(scaling):
         assert bool(jnp.isfinite(a).all()) and bool(jnp.isfinite(b).all())
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6)
     assert float(jitted[0][1, 0]) == pytest.approx(0.5 * big, rel=0.07)
+
+
+def test_autocast_fp8_leaves_products_of_two_activations_unless_asked(getkey):
+    """Attention's `q @ k.T` and `probabilities @ v` read no parameter: an fp8 rule
+    leaves them in the compute dtype and says why, unless the rule asks for them."""
+    attention = eqx.nn.MultiheadAttention(2, 32, key=getkey())
+    x = jr.normal(getkey(), (16, 32))
+
+    def forward(x):
+        return attention(x, x, x)
+
+    projections = 4 * 2 * 16 * 32 * 32
+    scores_and_values = 2 * (2 * 2 * 16 * 16 * 16)
+    rule = eqx_amp.fp8.TENSORWISE
+    report = eqx_amp.precision_report(
+        eqx_amp.autocast(forward, rules={jax.lax.dot_general_p: rule}), x
+    )
+    assert report.flops_by_dtypes == {
+        FP8_PAIR: projections,
+        ("bfloat16", "bfloat16"): scores_and_values,
+    }
+    reasons = [s.reason for s in report.fp8_skipped]
+    assert len(reasons) == 2
+    assert all(r.startswith("reads no parameter (attention's scores") for r in reasons)
+    assert all("`rule.with_activation_products()`" in r for r in reasons)
+
+    everything = rule.with_activation_products()
+    assert repr(everything) == "eqx_amp.fp8.TENSORWISE.with_activation_products()"
+    assert everything != rule and everything.scaling == "tensorwise"
+    assert pickle.loads(pickle.dumps(everything)) == everything
+    assert pickle.loads(pickle.dumps(rule)) is rule
+    forward_fp8 = eqx_amp.autocast(forward, rules={jax.lax.dot_general_p: everything})
+    report = eqx_amp.precision_report(forward_fp8, x)
+    assert report.flops_by_dtypes == {FP8_PAIR: projections + scores_and_values}
+    assert report.fp8_skipped == ()
+    exact = forward(x)
+    for rule in (eqx_amp.fp8.TENSORWISE, everything):
+        y = eqx_amp.autocast(forward, rules={jax.lax.dot_general_p: rule})(x)
+        assert float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact)) < 0.1

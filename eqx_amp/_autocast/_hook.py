@@ -3,6 +3,7 @@
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -10,6 +11,7 @@ from jax import lax
 from .._core._cast import is_floating_array, is_floating_dtype, widest_dtype
 from .._fp8 import (
     FP8_PRIMITIVES,
+    FP8_SKIPPED_SCOPE,
     Fp8Rule,
     known_fp8,
     product_in_fp8,
@@ -130,6 +132,19 @@ class _JaxprCasts(Hook):
     def _fp8(self, eqn, rule, invals, original, origins) -> list:
         known = [known_fp8(v) for v in invals]  # quantised before the program ran
         invals = LOW.cast(self._compute_dtype, original, invals, origins, self._casts)
+        if (
+            eqn.primitive is lax.dot_general_p
+            and not rule.activation_products
+            and all(o is Origin.DATA for o in origins)
+        ):
+            with jax.named_scope(f"{FP8_SKIPPED_SCOPE}: {_NO_PARAMETER}"):
+                return [
+                    lax.dot_general(
+                        *invals,
+                        eqn.params["dimension_numbers"],
+                        preferred_element_type=eqn.params.get("preferred_element_type"),
+                    )
+                ]
         for value, fp8 in zip(invals, known):
             if fp8 is not None:
                 remember_fp8(value, *fp8)  # its cast holds the same fp8 values
@@ -147,6 +162,14 @@ class _JaxprCasts(Hook):
                 grad_dtype=self._reduce_dtype or self._compute_dtype,
             )
         ]
+
+
+# Why an fp8 rule leaves a product of two activations in the compute dtype.
+_NO_PARAMETER = (
+    "reads no parameter (attention's scores or probabilities times values: "
+    "quantising both operands at every call costs more than the fp8 GEMM saves; "
+    "`rule.with_activation_products()` runs them in fp8)"
+)
 
 
 class _CastCache:

@@ -44,15 +44,35 @@ class Fp8Rule:
     where its shapes allow an fp8 GEMM (every dimension a multiple of 16), and
     `conv_general_dilated` as an fp8 convolution (tensorwise, feature counts
     multiples of 16); the others stay in the compute dtype, and `precision_report`
-    says why. Other ops under an fp8 scope rule follow their own primitive's rule."""
+    says why. Under `autocast`, matmuls that read no parameter (attention's scores
+    and probabilities times values) stay in the compute dtype too, unless the rule
+    is `.with_activation_products()`. Other ops under an fp8 scope rule follow their
+    own primitive's rule."""
 
     # What an fp8 GEMM needs every dimension to be a multiple of.
     multiple = FP8_MULTIPLE
 
-    def __init__(self, name: str, scaling: str):
+    def __init__(self, name: str, scaling: str, activation_products: bool = False):
         self.name = name
         self.scaling = scaling
+        # Under `autocast`: also the products that read no parameter (attention's
+        # scores and its probabilities times values), whose operands are quantised
+        # at every call: at a GPT-2-small size on an H100 that costs more than the
+        # fp8 GEMM saves, so they stay in the compute dtype unless asked for.
+        self.activation_products = activation_products
         self.__doc__ = Fp8Rule.__doc__
+
+    def with_activation_products(self) -> "Fp8Rule":
+        """This rule, under `autocast` also for products that read no parameter
+        (attention's `q @ k.T` and `probabilities @ v`), which it otherwise leaves
+        in the compute dtype (`precision_report(...).fp8_skipped` lists them).
+
+        ```python
+        rule = eqx_amp.fp8.TENSORWISE.with_activation_products()
+        forward = eqx_amp.autocast(model, rules={jax.lax.dot_general_p: rule})
+        ```
+        """
+        return Fp8Rule(self.name, self.scaling, activation_products=True)
 
     def __call__(self, *args, **kwargs):
         raise TypeError(
@@ -123,14 +143,33 @@ class Fp8Rule:
         return remember_fp8(weight, quantized, scale)
 
     def __repr__(self) -> str:
-        return f"eqx_amp.fp8.{self.name}"
+        suffix = ".with_activation_products()" if self.activation_products else ""
+        return f"eqx_amp.fp8.{self.name}{suffix}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Fp8Rule) and (
+            (self.name, self.scaling, self.activation_products)
+            == (other.name, other.scaling, other.activation_products)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.scaling, self.activation_products))
 
     def __reduce__(self):
+        if self.activation_products:
+            return _with_activation_products, (self.name,)
         return self.name
 
 
 TENSORWISE = Fp8Rule("TENSORWISE", "tensorwise")
 ROWWISE = Fp8Rule("ROWWISE", "rowwise")
+
+
+def _with_activation_products(name: str) -> Fp8Rule:
+    """The rule `name` with its activation products (how such a rule unpickles)."""
+    return {"TENSORWISE": TENSORWISE, "ROWWISE": ROWWISE}[
+        name
+    ].with_activation_products()
 
 
 def conv_in_fp8(lhs, rhs, params: dict, out_dtype, only_eligible: bool) -> Array:
