@@ -628,6 +628,17 @@ def test_autocast_fp8_leaves_products_of_two_activations_unless_asked(getkey):
     report = eqx_amp.precision_report(forward_fp8, x)
     assert report.flops_by_dtypes == {FP8_PAIR: projections + scores_and_values}
     assert report.fp8_skipped == ()
+    # The products left in bfloat16 accumulate as the compute-dtype rule's do: no
+    # float32 GEMM forward or backward.
+    skipping = eqx_amp.autocast(forward, rules={jax.lax.dot_general_p: rule})
+    grad = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(skipping(x))))(x)
+    dots = [e for e, _ in walk_eqns(grad) if e.primitive.name == "dot_general"]
+    assert dots and all(
+        {v.aval.dtype for v in e.invars} <= {jnp.dtype(jnp.bfloat16), E4M3, E5M2}
+        and e.outvars[0].aval.dtype != jnp.float32
+        or {v.aval.dtype for v in e.invars} == {E4M3}
+        for e in dots
+    )
     exact = forward(x)
     for rule in (eqx_amp.fp8.TENSORWISE, everything):
         y = eqx_amp.autocast(forward, rules={jax.lax.dot_general_p: rule})(x)

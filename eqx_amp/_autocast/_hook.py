@@ -137,14 +137,12 @@ class _JaxprCasts(Hook):
             and not rule.activation_products
             and all(o is Origin.DATA for o in origins)
         ):
+            # As the compute-dtype rule runs it: the accumulation type follows the
+            # new inputs (a float32 output would make its backward products float32
+            # GEMMs).
+            params = _follow_inputs(eqn, invals)
             with jax.named_scope(f"{FP8_SKIPPED_SCOPE}: {_NO_PARAMETER}"):
-                return [
-                    lax.dot_general(
-                        *invals,
-                        eqn.params["dimension_numbers"],
-                        preferred_element_type=eqn.params.get("preferred_element_type"),
-                    )
-                ]
+                return [lax.dot_general_p.bind(*invals, **params)]
         for value, fp8 in zip(invals, known):
             if fp8 is not None:
                 remember_fp8(value, *fp8)  # its cast holds the same fp8 values
