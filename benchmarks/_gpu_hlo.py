@@ -336,3 +336,193 @@ def all_reduces(text: str) -> list[list[tuple[str, int]]]:
         for inst in parse(text).values()
         if inst.op in ("all-reduce", "all-reduce-start")
     ]
+
+
+#
+# A roofline from the compiled program: each kernel at the rate that bounds it.
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """Dense peaks and memory bandwidth of a GPU, and the share of each a kernel is
+    taken to reach."""
+
+    name: str
+    peak_flops: dict[str, float]  # by the dtype a GEMM reads: "fp8", "bf16", "f32"
+    bandwidth: float  # bytes per second
+    gemm_efficiency: float = 0.7
+    memory_efficiency: float = 0.8
+    launch_s: float = 3e-6
+
+
+H100_SXM = Device(
+    "H100 SXM", {"fp8": 1979e12, "bf16": 989e12, "f32": 67e12}, bandwidth=3.35e12
+)
+# The kinds of kernel a roofline tells apart, besides GEMMs.
+NON_GEMM_KINDS = ("quantise", "amax", "epilogue", "layout", "other")
+# Ops that launch nothing (views, bookkeeping, control flow around kernels).
+_NOT_KERNELS = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+    "conditional", "call", "after-all", "partition-id", "replica-id", "opt-barrier",
+    "add-dependency", "domain", "reshape", "async-done", "all-gather-done",
+    "all-reduce-done", "collective-permute-done", "copy-done", "send-done",
+    "recv-done",
+}  # fmt: skip
+_BODIES = re.compile(
+    r"(?:body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TO_APPLY = re.compile(r"to_apply=%([\w.\-]+)")
+_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+
+
+def _launching_computations(module: _Module) -> set[str]:
+    """The computations whose instructions are kernels or launch them: the entry
+    and the bodies of loops, conditionals and calls, not fused computations or
+    reducers."""
+    entry = next((i.computation for i in module.instructions.values() if i.root), None)
+    by_computation = collections.defaultdict(list)
+    for inst in module.instructions.values():
+        by_computation[inst.computation].append(inst)
+    # The entry computation is the one no instruction calls.
+    called = set()
+    for inst in module.instructions.values():
+        called.update(_CALLS.findall(inst.attributes))
+        called.update(_TO_APPLY.findall(inst.attributes))
+        called.update(_BODIES.findall(inst.attributes))
+        for group in _BRANCHES.findall(inst.attributes):
+            called.update(re.findall(r"%([\w.\-]+)", group))
+    entries = [c for c in by_computation if c not in called] or [entry]
+    launching, todo = set(), list(entries)
+    while todo:
+        current = todo.pop()
+        if current in launching:
+            continue
+        launching.add(current)
+        for inst in by_computation[current]:
+            if inst.op in ("while", "conditional", "call"):
+                todo.extend(_BODIES.findall(inst.attributes))
+                for group in _BRANCHES.findall(inst.attributes):
+                    todo.extend(re.findall(r"%([\w.\-]+)", group))
+    return launching
+
+
+def _array_bytes(type_: str) -> int:
+    return sum(count * _BYTES.get(_bits(d), 0) for d, count in _arrays(type_))
+
+
+def _gemm_flops(module: _Module, inst: Instruction) -> float:
+    """2 x output elements x contracted size of a cuBLAS GEMM (convolutions: 0, so
+    they are timed by their bytes)."""
+    contracting = _CONTRACTING.search(inst.attributes)
+    if not contracting or not inst.operands:
+        return 0.0
+    lhs = module.instructions.get(inst.operands[0])
+    lhs_dims = _ARRAY.findall(lhs.type) if lhs else []
+    if not lhs_dims:
+        return 0.0
+    sizes = [int(d) for d in lhs_dims[0][1].split(",") if d]
+    contracted = 1
+    for index in re.findall(r"\d+", contracting.group(1)):
+        contracted *= sizes[int(index)]
+    (_, out_count), *_ = _arrays(inst.type)
+    return 2.0 * out_count * contracted
+
+
+def _source(module: _Module, name: str) -> Instruction | None:
+    """The instruction a value comes from, through tuple elements and bitcasts."""
+    inst = module.instructions.get(name)
+    while inst is not None and inst.op in ("get-tuple-element", "bitcast"):
+        inst = module.instructions.get(inst.operands[0]) if inst.operands else None
+    return inst
+
+
+def _kind(module: _Module, inst: Instruction) -> str:
+    """Which of `NON_GEMM_KINDS` a kernel that is not a GEMM is."""
+    if any(d in FP8_TYPES for d, _ in _arrays(inst.type)):
+        return "quantise"
+    for operand in inst.operands:
+        source = _source(module, operand)
+        if source is not None and _TARGET.search(source.attributes or ""):
+            target = _TARGET.search(source.attributes).group(1)
+            if target.endswith("$f8"):
+                return "epilogue"
+    inner = []
+    called = _CALLS.search(inst.attributes)
+    if called:
+        computations = set(module.computations_under(called.group(1)))
+        inner = [
+            i for i in module.instructions.values() if i.computation in computations
+        ]
+    for i in inner:
+        reducer = _TO_APPLY.search(i.attributes) if i.op == "reduce" else None
+        root = module.roots.get(reducer.group(1)) if reducer else None
+        if root is not None and root.op == "maximum":
+            return "amax"
+    layout_only = {"parameter", "copy", "transpose", "bitcast", "reshape"}
+    if inst.op in ("copy", "transpose") or (
+        inner and all(i.op in layout_only for i in inner)
+    ):
+        return "layout"
+    return "other"
+
+
+def roofline(text: str, device: Device = H100_SXM) -> dict:
+    """A time estimate of a compiled GPU program from its kernels: each cuBLAS GEMM
+    at `gemm_efficiency` of the dense peak of the dtype it reads, or its bytes
+    (operands and results) at `memory_efficiency` of the bandwidth, whichever is
+    slower; every other kernel at its bytes; `launch_s` per kernel in `time_s_with
+    _launches`. No caches, no overlap, no autotuning: for ratios between programs
+    compiled alike, not for times. Returns GEMM FLOPs by dtype, GEMM bytes,
+    non-GEMM bytes by kind (`NON_GEMM_KINDS`), kernels and the two times."""
+    module = _Module(text)
+    launching = _launching_computations(module)
+    flops = collections.Counter()
+    non_gemm = collections.Counter({k: 0 for k in NON_GEMM_KINDS})
+    gemm_bytes, time_s, kernels = 0, 0.0, 0
+    for inst in module.instructions.values():
+        if inst.computation not in launching or inst.op in _NOT_KERNELS:
+            continue
+        if inst.op.endswith("-done"):
+            continue
+        arrays = _arrays(inst.type)
+        results = (
+            [(d, n) for d, n in arrays if d != "s8"]
+            if inst.op == "custom-call"
+            else arrays
+        )
+        nbytes = sum(n * _BYTES.get(_bits(d), 0) for d, n in results)
+        for operand in inst.operands:
+            source = module.instructions.get(operand)
+            if source is not None:
+                nbytes += _array_bytes(source.type)
+        kernels += 1
+        memory_s = nbytes / (device.bandwidth * device.memory_efficiency)
+        target = _TARGET.search(inst.attributes) if inst.op == "custom-call" else None
+        target = target.group(1) if target else ""
+        if "cublas" in target or target.startswith("__cudnn$conv"):
+            reads = _operand_dtypes(module, inst, 1)
+            dtype = (
+                "fp8"
+                if reads and reads[0] in FP8_TYPES
+                else "bf16"
+                if reads and reads[0] in ("bf16", "f16")
+                else "f32"
+            )
+            work = _gemm_flops(module, inst) if "cublas" in target else 0.0
+            flops[dtype] += work
+            gemm_bytes += nbytes
+            peak = device.peak_flops[dtype] * device.gemm_efficiency
+            time_s += max(work / peak, memory_s)
+        else:
+            non_gemm[_kind(module, inst)] += nbytes
+            time_s += memory_s
+    return {
+        "gemm_flops": dict(flops),
+        "gemm_bytes": gemm_bytes,
+        "non_gemm_bytes": dict(non_gemm),
+        "kernels": kernels,
+        "time_s": time_s,
+        "time_s_with_launches": time_s + kernels * device.launch_s,
+    }

@@ -295,6 +295,21 @@ PRESETS = {
     },
 }
 
+def with_overrides(config, spec: str):
+    """`config` with the sizes `spec` names (`"depth=4,batch=8"`) replaced."""
+    fields = {f.name for f in dataclasses.fields(config)}
+    changes = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, _, value = part.partition("=")
+        if key not in fields or not value.isdigit():
+            raise SystemExit(
+                f"--config: expected NAME=INTEGER with NAME one of "
+                f"{', '.join(sorted(fields))}; got {part!r}"
+            )
+        changes[key] = int(value)
+    return dataclasses.replace(config, **changes)
+
+
 # Adam's learning rate and how many distinct batches are cycled through.
 LEARNING_RATE = 1e-3
 NUM_BATCHES = 4

@@ -15,9 +15,22 @@ fp8 GEMM). From the optimised HLO (`_gpu_hlo.py`): the products by kind and dtyp
 the fp8 products eqx_amp asked for that are not fp8, fusions and converts, and
 `memory_analysis()` beside the hand-cast step.
 
+From the compile with cuBLAS GEMMs, a roofline (`_gpu_hlo.roofline`): each GEMM at
+70% of the H100 SXM's dense peak for its dtype (bf16 989, fp8 1979, f32 67 TFLOP/s)
+or its bytes at 80% of 3.35 TB/s, whichever is slower; every other kernel at its
+bytes (operands + results); optionally 3 us per kernel launched. Non-GEMM bytes are
+told apart by kind: quantisation (a kernel writing fp8), amax (a max-reduction:
+softmax's too), epilogue (a kernel reading an fp8 GEMM's output), layout (copies,
+transposes) and other. `--roofline` compiles that way only:
+
+    python benchmarks/h100_aot.py --roofline --size gpu --models gpt --config depth=4,batch=8
+    python benchmarks/h100_aot.py --roofline --size gpu --models llama
+
 What this cannot show: the kernels the autotuner picks on a real H100 (it may prefer
-cuBLAS or Triton per shape), and time. `--preset gpu` measures those when a GPU is
-there.
+cuBLAS or Triton per shape), caches, the overlap of kernels, and time. The roofline
+is for ratios between programs compiled alike; `--preset gpu` measures time when a
+GPU is there (on an H100 the fp8 steps' measured ratios to bf16 were within 0.08 of
+the roofline's with launches).
 """
 
 import argparse
@@ -103,6 +116,7 @@ def analyse(compiled) -> dict:
         ],
         "asked_for_fp8": sum(p.asked_for_fp8 for p in found),
         **_gpu_hlo.kernels(text),
+        "roofline": _gpu_hlo.roofline(text),
         "argument_bytes": memory.argument_size_in_bytes,
         "output_bytes": memory.output_size_in_bytes,
         "temp_bytes": memory.temp_size_in_bytes,
@@ -110,15 +124,21 @@ def analyse(compiled) -> dict:
 
 
 def compile_variant(
-    model: str, variant: str, size: str, sharding, ways=("default", "cublas")
+    model: str,
+    variant: str,
+    size: str,
+    sharding,
+    ways=("default", "cublas"),
+    config: str = "",
 ) -> dict:
     """One variant's training step, compiled each of `ways`: with XLA's defaults
-    (`"default"`) and with Triton GEMMs off (`"cublas"`)."""
+    (`"default"`) and with Triton GEMMs off (`"cublas"`); `config` overrides the
+    preset's sizes (`"depth=4,batch=8"`)."""
     import _measure
-    from _models import PRESETS, make_task
+    from _models import PRESETS, make_task, with_overrides
     from _variants import VARIANTS as ALL
 
-    task = make_task(model, PRESETS[size][model])
+    task = make_task(model, with_overrides(PRESETS[size][model], config))
     built = ALL[variant].build(task)
     step, dynamic = _measure.jittable(built.step, built.state)
     out = {"variant": variant}
@@ -140,6 +160,7 @@ def compile_fsdp_variant(model: str, variant: str, size: str, devices: list) -> 
     import _gpu_hlo
     import _measure
     import jax
+    import jax.numpy as jnp
     import numpy as np
     from _models import PRESETS, make_task
     from _variants import VARIANTS as ALL
@@ -156,7 +177,9 @@ def compile_fsdp_variant(model: str, variant: str, size: str, devices: list) -> 
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     def is_weight(x):
-        return x.ndim >= 2 and np.issubdtype(x.dtype, np.floating)
+        # `jnp.issubdtype`: numpy does not count bfloat16 as floating, which left
+        # a BiModel's bfloat16 compute copy replicated.
+        return x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating)
 
     task = make_task(model, PRESETS[size][model])
     built = ALL[variant].build(task)
@@ -212,12 +235,60 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def roofline_markdown(results: dict) -> str:
+    """One table per model: each variant's roofline (Triton GEMMs off, so every
+    GEMM is a cuBLAS call), its GEMM FLOPs by dtype, bytes by kind of kernel,
+    kernels, temporaries and time beside the hand-cast step's."""
+    import _gpu_hlo
+
+    lines = []
+    for model, rows in results.items():
+        hand = next((r for r in rows if r["variant"] == "hand_bf16"), None)
+        base = hand["cublas"]["roofline"] if hand else None
+        kinds = " | ".join(f"{k} GB" for k in _gpu_hlo.NON_GEMM_KINDS)
+        lines += [
+            f"### {model}: roofline on an H100 SXM",
+            "",
+            f"| variant | GEMM TFLOP (fp8 / bf16 / f32) | GEMM GB | {kinds} | "
+            "non-GEMM GB | kernels | temp GiB | ms | ×hand | ms +launches | ×hand |",
+            "|---|---|---:|" + "---:|" * (len(_gpu_hlo.NON_GEMM_KINDS) + 7),
+        ]
+        for r in rows:
+            roof = r["cublas"]["roofline"]
+            flops = " / ".join(
+                f"{roof['gemm_flops'].get(d, 0) / 1e12:.2f}"
+                for d in ("fp8", "bf16", "f32")
+            )
+            non_gemm = roof["non_gemm_bytes"]
+            cells = [f"{non_gemm[k] / 1e9:.2f}" for k in _gpu_hlo.NON_GEMM_KINDS]
+
+            def ratio(key, roof=roof):
+                return f"{roof[key] / base[key]:.2f}" if base and base[key] else "-"
+
+            lines.append(
+                f"| {r['variant']} | {flops} | {roof['gemm_bytes'] / 1e9:.2f} | "
+                + " | ".join(cells)
+                + f" | {sum(non_gemm.values()) / 1e9:.2f} | {roof['kernels']} | "
+                f"{r['cublas']['temp_bytes'] / 2**30:.2f} | "
+                f"{roof['time_s'] * 1e3:.2f} | {ratio('time_s')} | "
+                f"{roof['time_s_with_launches'] * 1e3:.2f} | "
+                f"{ratio('time_s_with_launches')} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=("cpu", "gpu"), default="cpu",
                         help="the model sizes of that preset")  # fmt: skip
     parser.add_argument("--models", default="gpt,cnn")
+    parser.add_argument("--config", default="",
+                        help="the preset's sizes overridden, e.g. depth=4,batch=8")  # fmt: skip
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--roofline", action="store_true",
+                        help="compile with Triton GEMMs off only (the roofline's "
+                        "compile), not with XLA's defaults too")  # fmt: skip
     parser.add_argument("--fsdp", type=int, default=0, metavar="N",
                         help="instead, each step FSDP-sharded over N H100s: its "
                         "collectives by kind and dtype")  # fmt: skip
@@ -235,7 +306,10 @@ def main(argv=None) -> int:
     for model in args.models.split(","):
         results[model] = []
         for variant in args.variants.split(","):
-            row = compile_variant(model, variant, args.size, sharding)
+            ways = ("cublas",) if args.roofline else ("default", "cublas")
+            row = compile_variant(
+                model, variant, args.size, sharding, ways, config=args.config
+            )
             results[model].append(row)
             print(
                 f"{model} {variant}: {_products_text(row['cublas']['products'])}; "
@@ -243,7 +317,9 @@ def main(argv=None) -> int:
                 f"{len(row['cublas']['not_fp8'])}",
                 flush=True,
             )
-    table = markdown(results)
+    table = roofline_markdown(results)
+    if not args.roofline:
+        table = markdown(results) + "\n" + table
     print("\n" + table)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))

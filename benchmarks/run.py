@@ -30,7 +30,6 @@ end are those of DESIGN.md ("Performance targets").
 """
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -49,7 +48,13 @@ sys.path.insert(1, str(_HERE.parent))  # the checkout's eqx_amp, installed or no
 import _measure  # noqa: E402
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
-from _models import PRESETS, count_params, cross_entropy, make_task  # noqa: E402
+from _models import (  # noqa: E402
+    PRESETS,
+    count_params,
+    cross_entropy,
+    make_task,
+    with_overrides,
+)
 from _variants import DEFAULT_VARIANTS, EQX_AMP_ONLY, VARIANTS, Variant  # noqa: E402
 
 
@@ -517,21 +522,6 @@ def parse_variants(spec: str) -> list[str]:
                 + ", ".join(VARIANTS)
             )
     return list(dict.fromkeys(names))
-
-
-def with_overrides(config, spec: str):
-    """`config` with the sizes `spec` names (`"depth=4,batch=8"`) replaced."""
-    fields = {f.name for f in dataclasses.fields(config)}
-    changes = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        key, _, value = part.partition("=")
-        if key not in fields or not value.isdigit():
-            raise SystemExit(
-                f"--config: expected NAME=INTEGER with NAME one of "
-                f"{', '.join(sorted(fields))}; got {part!r}"
-            )
-        changes[key] = int(value)
-    return dataclasses.replace(config, **changes)
 
 
 def main(argv=None):

@@ -13,6 +13,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -80,7 +81,8 @@ def assert_scope_in_float32(jaxpr, scope_name: str, at_least: int = 1) -> None:
     assert len(found) >= at_least, f"no reductions found under {scope_name!r}"
     for eqn, scope in found:
         dtypes = in_dtypes(eqn) + out_dtypes(eqn)
-        assert all(d == np.float32 for d in dtypes if np.issubdtype(d, np.floating)), (
+        # `jnp.issubdtype`: numpy does not count bfloat16 as floating.
+        assert all(d == np.float32 for d in dtypes if jnp.issubdtype(d, jnp.floating)), (
             f"{eqn.primitive} under {scope!r} runs in {dtypes}"
         )
 
@@ -89,7 +91,7 @@ def float_dtypes(tree) -> set[np.dtype]:
     return {
         leaf.dtype
         for leaf in jax.tree_util.tree_leaves(tree)
-        if hasattr(leaf, "dtype") and np.issubdtype(leaf.dtype, np.floating)
+        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
     }
 
 
@@ -114,6 +116,7 @@ def run_script_on_eight_devices(source: str, promotion: str = "strict") -> dict:
 _WORKER = r"""
 import contextlib, io, json, sys, traceback
 import jax
+import jax.numpy as jnp
 protocol = sys.stdout
 sys.stdout = sys.stderr
 defaults = {name: getattr(jax.config, name) for name in (

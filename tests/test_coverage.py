@@ -1,7 +1,7 @@
 """Hostile tests of the advice `precision_report` gives when less than half of a
 mixed-precision model's matmul FLOPs run in the compute dtype (`report.advice`,
-printed at the top of `str(report)`), and of `filter_amp`'s call path, which no
-longer checks that itself: a call traces the user's function once.
+printed at the top of `str(report)`), and of the warning `filter_amp` gives with
+it on a model's first traced call, which traces the user's function once.
 
 The matrix: models wrapped by `eqx.filter_vmap` and `eqx.nn.Sequential` (two of each,
 the second one with another coverage; two instances of one class, the well-cast one

@@ -180,3 +180,89 @@ def test_fp8_gemms_that_ask_for_highest_precision_are_told_apart():
     found = _gpu_hlo.products(text)
     assert [p.precise for p in found] == [False, True]
     assert _gpu_hlo.summary(found) == {"cublas-fp8": 1, "cublas-fp8 precise": 1}
+
+
+ROOFLINE_HLO = """
+%max (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %maximum = f32[] maximum(%a, %b)
+}
+
+%amax_computation (p0: bf16[64,128]) -> f32[] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %abs = bf16[64,128]{1,0} abs(%p0)
+  %up = f32[64,128]{1,0} convert(%abs)
+  %zero = f32[] constant(0)
+  ROOT %reduce = f32[] reduce(%up, %zero), dimensions={0,1}, to_apply=%max
+}
+
+%quantise_computation (p0.1: bf16[64,128], s: f32[]) -> f8e4m3fn[64,128] {
+  %p0.1 = bf16[64,128]{1,0} parameter(0)
+  %s = f32[] parameter(1)
+  %up.1 = f32[64,128]{1,0} convert(%p0.1)
+  %b = f32[64,128]{1,0} broadcast(%s), dimensions={}
+  %m = f32[64,128]{1,0} multiply(%up.1, %b)
+  ROOT %q = f8e4m3fn[64,128]{1,0} convert(%m)
+}
+
+%epilogue_computation (p0.2: f32[64,32]) -> bf16[64,32] {
+  %p0.2 = f32[64,32]{1,0} parameter(0)
+  ROOT %c = bf16[64,32]{1,0} convert(%p0.2)
+}
+
+%transpose_computation (p0.3: bf16[64,128]) -> bf16[128,64] {
+  %p0.3 = bf16[64,128]{1,0} parameter(0)
+  ROOT %t = bf16[128,64]{0,1} transpose(%p0.3), dimensions={1,0}
+}
+
+ENTRY %main (x: bf16[64,128], w: f8e4m3fn[128,32], v: bf16[128,32]) -> (bf16[64,32], bf16[64,32], bf16[128,64]) {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %w = f8e4m3fn[128,32]{1,0} parameter(1)
+  %v = bf16[128,32]{1,0} parameter(2)
+  %amax = f32[] fusion(%x), kind=kInput, calls=%amax_computation
+  %xq = f8e4m3fn[64,128]{1,0} fusion(%x, %amax), kind=kLoop, calls=%quantise_computation
+  %gemm = (f32[64,32]{1,0}, s8[1024]{0}) custom-call(%xq, %w, %amax, %amax), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %out = f32[64,32]{1,0} get-tuple-element(%gemm), index=0
+  %y = bf16[64,32]{1,0} fusion(%out), kind=kLoop, calls=%epilogue_computation
+  %gemm16 = (bf16[64,32]{1,0}, s8[1024]{0}) custom-call(%x, %v), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %z = bf16[64,32]{1,0} get-tuple-element(%gemm16), index=0
+  %xt = bf16[128,64]{0,1} fusion(%x), kind=kLoop, calls=%transpose_computation
+  ROOT %tuple = (bf16[64,32]{1,0}, bf16[64,32]{1,0}, bf16[128,64]{0,1}) tuple(%y, %z, %xt)
+}
+"""
+
+
+def test_roofline_times_each_kernel_by_what_bounds_it():
+    device = _gpu_hlo.Device(
+        "test", {"fp8": 2e12, "bf16": 1e12, "f32": 1e11}, bandwidth=1e9,
+        gemm_efficiency=0.5, memory_efficiency=0.5, launch_s=1e-6,
+    )  # fmt: skip
+    roof = _gpu_hlo.roofline(ROOFLINE_HLO, device)
+    x, xq, w, v, amax = 64 * 128 * 2, 64 * 128, 128 * 32, 128 * 32 * 2, 4
+    out32, out16 = 64 * 32 * 4, 64 * 32 * 2
+    # Every kernel once: the reducer and the fused computations launch nothing.
+    assert roof["kernels"] == 6
+    assert roof["gemm_flops"] == {"fp8": 2 * 64 * 32 * 128, "bf16": 2 * 64 * 32 * 128}
+    # The GEMMs' workspaces (s8) are not data.
+    fp8_gemm, bf16_gemm = xq + w + 2 * amax + out32, x + v + out16
+    assert roof["gemm_bytes"] == fp8_gemm + bf16_gemm
+    assert roof["non_gemm_bytes"] == {
+        "quantise": x + amax + xq,
+        "amax": x + amax,
+        "epilogue": out32 + out16,
+        "layout": 2 * x,
+        "other": 0,
+    }
+    # At these rates every kernel is bound by its bytes but for none: each GEMM
+    # takes max(FLOPs / (peak x 0.5), bytes / (bandwidth x 0.5)).
+    rate = 1e9 * 0.5
+    expected = sum(roof["non_gemm_bytes"].values()) / rate + sum(
+        max(flops / (peak * 0.5), nbytes / rate)
+        for flops, peak, nbytes in (
+            (2 * 64 * 32 * 128, 2e12, fp8_gemm),
+            (2 * 64 * 32 * 128, 1e12, bf16_gemm),
+        )
+    )
+    assert roof["time_s"] == pytest.approx(expected)
+    assert roof["time_s_with_launches"] == pytest.approx(expected + 6e-6)

@@ -228,3 +228,67 @@ def test_fsdp_fp8_roads_reduce_every_weight_amax_in_one_all_reduce(compiled, roa
     for arrays in all_reduces:
         if arrays != [["f32", weights]]:
             assert sum(n for _, n in arrays) <= 3 or sum(n for _, n in arrays) > 1000
+
+
+ROOFLINE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = [sys.argv[1], sys.argv[1] + "/.."]
+    import h100_aot
+    sharding = h100_aot.h100_sharding()
+    out = {
+        v: h100_aot.compile_variant(
+            "gpt", v, "gpu", sharding, ("cublas",), config="depth=4,batch=8"
+        )["cublas"]["roofline"]
+        for v in sys.argv[2].split(",")
+    }
+    print("RESULT" + json.dumps(out))
+    """
+)
+ROOFLINE_ROADS = ("filter_amp_bf16", "filter_amp_fp8", "autocast_fp8", "bimodel_fp8")
+
+
+@pytest.fixture(scope="module")
+def roofline():
+    """The GPT-2-small-sized step (4 blocks x 768, seq 1024, batch 8, vocab 32768)
+    compiled for an H100 with cuBLAS GEMMs: each road's roofline."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            ROOFLINE_SCRIPT,
+            str(BENCHMARKS),
+            ",".join(("hand_bf16", *ROOFLINE_ROADS)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (line,) = [x for x in run.stdout.splitlines() if x.startswith("RESULT")]
+    return json.loads(line[len("RESULT") :])
+
+
+# The roofline ratios to hand-cast bfloat16 (launches counted) as compiled today,
+# with 3% for XLA's changes: a step that moves more bytes or launches more kernels
+# than this is a regression. The goal is below 0.97 for every fp8 road (measured
+# on an H100: 1.21x, 1.51x and 1.23x before the roofline work).
+ROOFLINE_LIMITS = {"filter_amp_fp8": 1.19, "autocast_fp8": 1.19, "bimodel_fp8": 1.18}
+
+
+def test_a_bfloat16_road_has_the_hand_cast_roofline(roofline):
+    assert roofline["filter_amp_bf16"] == roofline["hand_bf16"]
+    assert roofline["hand_bf16"]["non_gemm_bytes"]["quantise"] == 0
+    assert roofline["hand_bf16"]["non_gemm_bytes"]["epilogue"] == 0
+
+
+@pytest.mark.parametrize("road", ["filter_amp_fp8", "autocast_fp8", "bimodel_fp8"])
+def test_fp8_roofline_does_not_regress(roofline, road):
+    hand, ours = roofline["hand_bf16"], roofline[road]
+    ratio = ours["time_s_with_launches"] / hand["time_s_with_launches"]
+    assert ratio <= ROOFLINE_LIMITS[road]
+    # Its GEMMs are fp8 and cost less than bfloat16's; what they cost around
+    # them is quantisation, amaxes and rescaling epilogues.
+    assert ours["gemm_flops"]["fp8"] > 0.8 * hand["gemm_flops"]["bf16"]
+    for kind in ("quantise", "amax", "epilogue"):
+        assert ours["non_gemm_bytes"][kind] > hand["non_gemm_bytes"][kind]

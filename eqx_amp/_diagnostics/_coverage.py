@@ -2,8 +2,8 @@
 model's matmul FLOPs run in low precision: the cause (the largest wide matmul, and
 what made its wide operand) and the fix.
 
-It lives with the diagnostics, not on the call path: `filter_amp` never traces the
-user's function a second time to check it. Run the report once on a new model."""
+`filter_amp` says the same on a model's first traced call (`_first_call.py`),
+from the one trace of the call."""
 
 import functools as ft
 import types

@@ -278,8 +278,8 @@ def precision_report(fn: Callable, *args: Any, **kwargs: Any) -> PrecisionReport
     their scope and source line. Works for plain functions and for `filter_amp` and
     `autocast` ones (it reads the program they actually trace). Where less than
     half of a mixed-precision model's matmul FLOPs run in low precision,
-    `report.advice` names the cause and the fix: run it once on a new model
-    (`filter_amp` does not check its calls).
+    `report.advice` names the cause and the fix (what `filter_amp` warns of on
+    a model's first traced call).
 
     **Arguments:**
 
