@@ -82,9 +82,9 @@ def assert_scope_in_float32(jaxpr, scope_name: str, at_least: int = 1) -> None:
     for eqn, scope in found:
         dtypes = in_dtypes(eqn) + out_dtypes(eqn)
         # `jnp.issubdtype`: numpy does not count bfloat16 as floating.
-        assert all(d == np.float32 for d in dtypes if jnp.issubdtype(d, jnp.floating)), (
-            f"{eqn.primitive} under {scope!r} runs in {dtypes}"
-        )
+        assert all(
+            d == np.float32 for d in dtypes if jnp.issubdtype(d, jnp.floating)
+        ), f"{eqn.primitive} under {scope!r} runs in {dtypes}"
 
 
 def float_dtypes(tree) -> set[np.dtype]:
