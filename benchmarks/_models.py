@@ -53,13 +53,18 @@ class Block(eqx.Module):
         self.mlp_out = eqx.nn.Linear(4 * width, width, key=k3)
 
     def __call__(self, x: Float[Array, "seq width"]) -> Float[Array, "seq width"]:
-        seq = x.shape[0]
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        y = jax.vmap(self.norm1)(x)
-        x = x + self.attention(y, y, y, mask=causal)
+        x = x + causal_attention(self.norm1, self.attention, x)
         y = jax.vmap(self.norm2)(x)
         y = jax.vmap(self.mlp_out)(jax.nn.gelu(jax.vmap(self.mlp_in)(y)))
         return x + y
+
+
+def causal_attention(norm, attention, x: Float[Array, "seq width"]) -> Array:
+    """Pre-norm causal self-attention (the residual is the caller's)."""
+    seq = x.shape[0]
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    y = jax.vmap(norm)(x)
+    return attention(y, y, y, mask=causal)
 
 
 class GPT(eqx.Module):
@@ -109,10 +114,7 @@ class LlamaBlock(eqx.Module):
         self.down = eqx.nn.Linear(hidden, width, use_bias=False, key=k4)
 
     def __call__(self, x: Float[Array, "seq width"]) -> Float[Array, "seq width"]:
-        seq = x.shape[0]
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        y = jax.vmap(self.norm1)(x)
-        x = x + self.attention(y, y, y, mask=causal)
+        x = x + causal_attention(self.norm1, self.attention, x)
         y = jax.vmap(self.norm2)(x)
         swiglu = jax.nn.silu(jax.vmap(self.gate)(y)) * jax.vmap(self.up)(y)
         return x + jax.vmap(self.down)(swiglu)
@@ -294,6 +296,7 @@ PRESETS = {
         ),
     },
 }
+
 
 def with_overrides(config, spec: str):
     """`config` with the sizes `spec` names (`"depth=4,batch=8"`) replaced."""

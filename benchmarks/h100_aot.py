@@ -347,8 +347,8 @@ def fsdp_markdown(results: dict, devices: int) -> str:
             f"### {model}, FSDP over {devices} H100s",
             "",
             "| variant | all-gather | reduce-scatter | all-reduce (count) | "
-            "all-gather bytes ×hand |",
-            "|---|---|---|---|---|",
+            "all-to-all | all-gather bytes ×hand | all collective bytes ×hand |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             c = r["collectives"]
@@ -370,14 +370,23 @@ def fsdp_markdown(results: dict, devices: int) -> str:
                     if k.startswith("all-gather ") and "count" not in k
                 )
 
+            def total(c):
+                return sum(v for k, v in c.items() if "count" not in k)
+
             ratio = (
                 f"{gathered(c) / gathered(hand['collectives']):.2f}"
                 if hand and gathered(hand["collectives"])
                 else "-"
             )
+            all_ratio = (
+                f"{total(c) / total(hand['collectives']):.2f}"
+                if hand and total(hand["collectives"])
+                else "-"
+            )
             lines.append(
                 f"| {r['variant']} | {of('all-gather')} | {of('reduce-scatter')} | "
-                f"{of('all-reduce')} ({c.get('all-reduce count', 0)}) | {ratio} |"
+                f"{of('all-reduce')} ({c.get('all-reduce count', 0)}) | "
+                f"{of('all-to-all')} | {ratio} | {all_ratio} |"
             )
         lines.append("")
     return "\n".join(lines)

@@ -125,8 +125,13 @@ SCRIPT = textwrap.dedent(
 def compiled():
     variants = ",".join(("hand_bf16", *BF16_ROADS, *FP8_ROADS))
     fsdp = ",".join(("hand_bf16", *FSDP_HALF_ROADS, *FSDP_FP8_ROADS))
+    return _result_of(SCRIPT, variants, fsdp)
+
+
+def _result_of(script: str, *args: str) -> dict:
+    """What `script` prints after `RESULT`, run in a fresh interpreter."""
     run = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(BENCHMARKS), variants, fsdp],
+        [sys.executable, "-c", script, str(BENCHMARKS), *args],
         capture_output=True,
         text=True,
         timeout=1500,
@@ -252,21 +257,7 @@ ROOFLINE_ROADS = ("filter_amp_bf16", "filter_amp_fp8", "autocast_fp8", "bimodel_
 def roofline():
     """The GPT-2-small-sized step (4 blocks x 768, seq 1024, batch 8, vocab 32768)
     compiled for an H100 with cuBLAS GEMMs: each road's roofline."""
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            ROOFLINE_SCRIPT,
-            str(BENCHMARKS),
-            ",".join(("hand_bf16", *ROOFLINE_ROADS)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    (line,) = [x for x in run.stdout.splitlines() if x.startswith("RESULT")]
-    return json.loads(line[len("RESULT") :])
+    return _result_of(ROOFLINE_SCRIPT, ",".join(("hand_bf16", *ROOFLINE_ROADS)))
 
 
 # The roofline ratios to hand-cast bfloat16 (launches counted) as compiled today,
