@@ -473,8 +473,10 @@ class _SpectralMLP(eqx.Module):
 def test_low_coverage_is_the_reports_to_say_naming_the_cause(getkey):
     """An RNN whose carry is made in float32 inside the model runs most of its
     matmuls wide under `filter_amp`, and so does a SpectralNorm layer (its float32
-    state makes the weight float32): the call says nothing (it traces the model
-    once, as the model alone would be), and `precision_report` names the cause."""
+    state makes the weight float32): the first traced call of each warns once (it
+    traces the model once, as the model alone would be), a concrete call says
+    nothing, and `precision_report` names the cause."""
+    eqx_amp.diagnostics.check_coverage(True)  # every model unchecked
     xs = jnp.ones((10, 8))
     wide = _RNN(eqx.nn.GRUCell(8, 32, key=getkey()), carry_in_input_dtype=False)
     fixed = _RNN(eqx.nn.GRUCell(8, 32, key=getkey()), carry_in_input_dtype=True)
@@ -483,11 +485,15 @@ def test_low_coverage_is_the_reports_to_say_naming_the_cause(getkey):
     )
     # As users run them: float32 values meet bfloat16 ones in these models.
     with jax.numpy_dtype_promotion("standard"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             jax.make_jaxpr(eqx_amp.filter_amp(wide))(xs)
             eqx_amp.filter_amp(wide)(xs)
+            jax.make_jaxpr(eqx_amp.filter_amp(wide))(xs)  # checked once
             eqx.filter_jit(eqx_amp.filter_amp(spectral))(jnp.ones(8), state)
+        assert [w.category for w in caught] == 2 * [eqx_amp.diagnostics.CoverageWarning]
+        assert "of _RNN run in bfloat16" in str(caught[0].message)
+        assert "keep(model, eqx.nn.SpectralNorm)" in str(caught[1].message)
         advice = eqx_amp.precision_report(eqx_amp.filter_amp(wide), xs).advice
         assert re.search(
             r"Only 20% .* of _RNN run in bfloat16.*test_filter_amp\.py", advice
