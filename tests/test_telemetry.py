@@ -19,6 +19,7 @@ from .helpers import run_script_on_eight_devices
 
 
 F16 = eqx_amp.get_policy("p=f32,c=f16,o=f32")
+BF16 = eqx_amp.get_policy("mixed_bfloat16")
 
 
 def _loss(model, x):
@@ -485,3 +486,70 @@ def test_the_api_reference_promises_what_the_guide_does():
     ):
         assert promise in api and promise in guide_text, promise
     assert "NaN ignored" not in api
+
+
+class _Checkpointed(eqx.Module):
+    mlp: eqx.nn.MLP
+    remat: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        if self.remat == "filter_checkpoint":
+            return eqx.filter_checkpoint(lambda m, x: jax.vmap(m)(x))(self.mlp, x)
+        params, static = eqx.partition(self.mlp, eqx.is_array)
+
+        def run(params, x):
+            return jax.vmap(eqx.combine(params, static))(x)
+
+        if self.remat == "checkpoint":
+            run = jax.checkpoint(run)
+        elif self.remat == "dots_saveable":
+            run = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_saveable)
+        return run(params, x)
+
+
+def _batch_step(model, x):
+    (loss, grads), _, _ = eqx_amp.filter_value_and_grad(
+        lambda model, x: jnp.mean(model(x) ** 2)
+    )(model, x, loss_scale=eqx_amp.StaticLossScale(jnp.float32(1024.0)))
+    return loss, grads
+
+
+def _by_row(tel):
+    return {(t.layer, t.role, t.dtype, t.at_cast): t for t in tel.tensors}
+
+
+@pytest.mark.parametrize("remat", ["checkpoint", "dots_saveable", "filter_checkpoint"])
+@pytest.mark.parametrize("wrap", ["autocast", "filter_amp"])
+def test_a_checkpointed_forward_recomputed_in_the_backward_is_measured_once(
+    wrap, remat
+):
+    # `jax.checkpoint` runs the forward pass again inside the backward pass: its
+    # casts (the activation, 16 x 16, cast again) are not output gradients, and the
+    # backward products reading the recomputed activations are the layers'
+    # parameter gradients. Layer 0 reads the step's input itself; the ReLUs'
+    # jaxpr is one body shared by both calls.
+    mlp = eqx.nn.MLP(16, 8, 16, 2, key=jr.key(0))
+    x = jr.normal(jr.key(1), (16, 16))
+
+    def measure(remat):
+        amp = getattr(eqx_amp, wrap)(_Checkpointed(mlp, remat), policy=BF16)
+        return _by_row(eqx.filter_jit(telemetry(_batch_step))(amp, x)[1])
+
+    plain, checkpointed = measure("none"), measure(remat)
+    assert set(checkpointed) == set(plain)
+    roles = {(layer, role) for layer, role, _, _ in plain}
+    for i in range(3):
+        for role in ("weight", "activation", "output gradient", "parameter gradient"):
+            assert (f"model.mlp.layers[{i}]", role) in roles
+    out = "model.mlp.layers[2]"
+    assert float(checkpointed[(out, "output gradient", "bfloat16", True)].size) == (
+        16 * 8
+    )
+    assert float(checkpointed[(out, "parameter gradient", "bfloat16", False)].size) == (
+        8 * 16
+    )
+    for key, stats in plain.items():
+        for field in ("size", "sample", "amax", "underflow", "subnormal", "overflow"):
+            np.testing.assert_allclose(
+                getattr(checkpointed[key], field), getattr(stats, field), err_msg=key
+            )

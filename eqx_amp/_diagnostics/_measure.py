@@ -308,8 +308,13 @@ class Measure(Hook):
             ):
                 warn_once(_NOT_MEASURED.format(name=eqn.primitive))
             return outs
-        naming.flow(eqn, origins)
+        recomputed = frame.transposed and _REMATERIALISED in frame.scopes
+        naming.flow(eqn, origins, recomputed)
         naming.replicate(eqn, invals)
+        if recomputed:
+            self._recomputed(eqn, origins)
+            return outs
+        naming.remember(eqn)
         in_fp8 = FP8_SCOPE in frame.scopes
         if eqn.primitive in MATMUL_PRIMITIVES:
             self._product(eqn, invals, origins, outs, frame)
@@ -383,6 +388,27 @@ class Measure(Hook):
                 self._record(site, out, outs[0])
                 naming.measured.add(out)
 
+    def _recomputed(self, eqn, origins) -> None:
+        """An equation of the forward pass that `jax.checkpoint` runs again inside
+        the backward pass: what it computes was measured when the forward pass
+        computed it, and measuring it again would count it twice (a recomputed cast
+        of an activation as an output gradient). Its results are named as the
+        forward's, or, where the forward equation is not found, as a forward
+        product names its operands."""
+        naming = self.naming
+        self.scale = None
+        naming.measured.update(eqn.outvars)
+        if naming.recompute(eqn) or eqn.primitive not in MATMUL_PRIMITIVES:
+            return
+        weights = [v for v, o in zip(eqn.invars, origins) if o == Origin.PARAMS]
+        layer = unique(naming.layer_of(v) for v in _vars(weights))
+        for var, origin in zip(eqn.invars, origins):
+            if isinstance(var, compat.Literal):
+                continue
+            naming.measured.add(var)
+            if layer is not None and origin != Origin.PARAMS:
+                naming.mark_input(var, layer)
+
     def _maybe_scale(self, invals) -> None:
         """fp8 quantisation multiplies a tensor by its float32 scale (smaller,
         broadcast) right before the cast (`eqx_amp._fp8._quantize`)."""
@@ -395,6 +421,10 @@ class Measure(Hook):
         if np.size(a) != np.size(b):
             self.scale = a if np.size(a) < np.size(b) else b
 
+
+# The named scope JAX puts the forward equations under that `jax.checkpoint`'s
+# backward pass recomputes (`ad_checkpoint.remat_transpose`).
+_REMATERIALISED = "rematted_computation"
 
 _NOT_MEASURED = (
     "`telemetry` does not measure inside `lax.while_loop` and `lax.cond`, and this "

@@ -14,6 +14,19 @@ from .._jaxpr._hook import MATMUL_PRIMITIVES, Origin
 
 Path = tuple[str, ...]  # rendered key entries: ("model", ".blocks", "[3]", ".weight")
 
+# Bodies whose inputs and outputs are the equation's operands and results as they
+# are (a scan body sees slices, a `shard_map` body shards, a `cond` branch the
+# operands after its index), so that a variable there holds the same value.
+_SAME_VALUES = compat.present(
+    compat.remat_p,
+    compat.jit_p,
+    compat.closed_call_p,
+    compat.call_p,
+    compat.eval_jaxpr_p,
+    compat.custom_jvp_call_p,
+    compat.custom_vjp_call_p,
+)
+
 
 def unique(values: Iterable[Any]) -> Any:
     distinct = set(values) - {None}
@@ -33,13 +46,29 @@ class Naming:
     # weight that `shard_map` made varying (`pvary`) to meet a batch shard.
     replicated: dict = dataclasses.field(default_factory=dict)
     measured: set = dataclasses.field(default_factory=set)
+    # The variable of the forward pass holding the same value, for one that a remat
+    # body or an inlined call knows by another name, or that a rematerialised
+    # equation recomputed; and what each equation of the forward pass computed,
+    # keyed by what it computed it from (`_recipe`), for a rematerialised equation
+    # to find its forward twin by.
+    twin: dict = dataclasses.field(default_factory=dict)
+    made_by: dict = dataclasses.field(default_factory=dict)
+    made_at: dict = dataclasses.field(default_factory=dict)  # variable: its recipes
 
-    def flow(self, eqn: Any, origins: list[Origin]) -> None:
+    def flow(self, eqn: Any, origins: list[Origin], recomputed: bool = False) -> None:
         """A first-order equation's outputs inherit from its inputs: a parameter's
         path (if computed from it alone), the layer a tensor is an input or the
         gradient of, and the sites waiting for a product; a view of one tensor
         (reshaped, converted) also whether it was measured. A product makes a new
-        tensor, named by the pass itself."""
+        tensor, named by the pass itself.
+
+        A `recomputed` equation (the forward pass run again inside the backward
+        pass) passes on parameter paths only: which layer a value is an input of is
+        known once the forward pass has run, so a value that the forward pass
+        computed before it knew (a ReLU's mask, computed from an activation then
+        marked as the next layer's input) would take it when recomputed, and pass
+        it to the gradients computed from it (`Naming.recompute` gives what its
+        forward twin has)."""
         if eqn.primitive in MATMUL_PRIMITIVES:
             return
         ins = [
@@ -54,10 +83,12 @@ class Naming:
             "paths": unique(self.paths.get(v) for v in param_ins)
             if len(param_ins) == len(ins)
             else None,
-            "feeds": unique(self.feeds.get(v) for v in ins),
-            "grads": unique(self.grads.get(v) for v in ins),
         }
-        pending = frozenset().union(*(self.pending.get(v, ()) for v in ins))
+        pending: frozenset = frozenset()
+        if not recomputed:
+            inherited["feeds"] = unique(self.feeds.get(v) for v in ins)
+            inherited["grads"] = unique(self.grads.get(v) for v in ins)
+            pending = pending.union(*(self.pending.get(v, ()) for v in ins))
         for out in eqn.outvars:
             for table, value in inherited.items():
                 if value is not None:
@@ -68,6 +99,54 @@ class Naming:
                 self.source[out] = ins[0]
                 if ins[0] in self.measured:
                     self.measured.add(out)
+
+    def remember(self, eqn: Any) -> None:
+        """Keeps what a forward equation computed, for `recompute` to find."""
+        recipe = self._recipe(eqn)
+        if recipe is not None:
+            self.made_by[recipe] = list(eqn.outvars)
+            for v in eqn.outvars:
+                self.made_at.setdefault(v, []).append(recipe)
+
+    def recompute(self, eqn: Any) -> bool:
+        """A rematerialised equation (`jax.checkpoint` recomputing the forward pass
+        inside the backward pass): its results take what the forward equation it
+        repeats knows about its own (the layer they are an input of, whether they
+        were measured), as a backward product reads the recomputed values where it
+        would read the forward ones. Whether that equation was found."""
+        recipe = self._recipe(eqn)
+        forward = None if recipe is None else self.made_by.get(recipe)
+        if forward is None:
+            for v in eqn.outvars:
+                self.twin.pop(v, None)  # a shared body's, from another call
+            return False
+        for v in eqn.outvars:  # a shared body's, from another call
+            for table in (self.feeds, self.grads, self.pending):
+                table.pop(v, None)
+        self._copy(forward, eqn.outvars, twin=True)
+        return True
+
+    def original(self, var: Any) -> Any:
+        while var in self.twin:
+            var = self.twin[var]
+        return var
+
+    def _recipe(self, eqn: Any) -> tuple | None:
+        """The primitive, params and (forward) operands of a first-order equation, or
+        None where its params cannot be compared."""
+        ins = tuple(
+            ("literal", repr(v.val))
+            if isinstance(v, compat.Literal)
+            else self.original(v)
+            for v in eqn.invars
+        )
+        try:
+            params = tuple(sorted(eqn.params.items()))
+            hash(params)
+        except TypeError:
+            return None
+        outs = tuple(str(v.aval) for v in eqn.outvars)
+        return (eqn.primitive, params, ins, outs)
 
     def replicate(self, eqn: Any, invals: list) -> None:
         """Whether the outputs are the same on every device along an axis they are
@@ -92,19 +171,49 @@ class Naming:
     def into_bodies(self, eqn: Any) -> None:
         """A higher-order equation's operands, as its bodies' inputs (which are the
         last of its operands: `cond` and `while` put others first)."""
+        same = eqn.primitive in _SAME_VALUES
         for body in compat.sub_jaxprs(eqn.params):
             invars = compat.open_jaxpr(body)[0].invars
-            self._copy(eqn.invars[len(eqn.invars) - len(invars) :], invars)
+            self._copy(eqn.invars[len(eqn.invars) - len(invars) :], invars, twin=same)
 
     def out_of_bodies(self, eqn: Any) -> None:
+        same = eqn.primitive in _SAME_VALUES
         for body in compat.sub_jaxprs(eqn.params):
             outvars = compat.open_jaxpr(body)[0].outvars
-            self._copy(outvars, eqn.outvars)
+            self._copy(outvars, eqn.outvars, twin=False)
+            if not same:
+                continue
+            pairs = [
+                (src, dst)
+                for src, dst in zip(outvars, eqn.outvars)
+                if not isinstance(src, compat.Literal)
+            ]
+            # A recomputed body's results are twins of forward variables (and only
+            # then have twins): so are the equation's.
+            for src, dst in pairs:
+                if src in self.twin:
+                    self.twin[dst] = self.original(src)
+            self._made_outside(pairs)
 
-    def _copy(self, sources: list, targets: list) -> None:
+    def _made_outside(self, pairs: list) -> None:
+        """What the forward pass computed in a body it knows, from now on, by the
+        equation's results. Not the other way round: one body may serve several
+        calls (JAX shares the jaxpr of `jax.nn.relu` between the layers calling
+        it), and the body's variables keep only the last call's names."""
+        for src, dst in pairs:
+            for recipe in self.made_at.pop(src, ()):
+                self.made_by[recipe] = [
+                    dst if v is src else v for v in self.made_by[recipe]
+                ]
+                self.made_at.setdefault(dst, []).append(recipe)
+
+    def _copy(self, sources: list, targets: list, twin: bool) -> None:
         for src, dst in zip(sources, targets):
             if isinstance(src, compat.Literal):
                 continue
+            original = self.original(src)
+            if twin and original is not dst:
+                self.twin[dst] = original
             tables = (self.paths, self.feeds, self.grads, self.pending, self.replicated)
             for table in tables:
                 if src in table:
@@ -113,10 +222,17 @@ class Naming:
                 self.measured.add(dst)
 
     def mark_input(self, var: Any, layer: Path) -> None:
-        """`var` and what it was computed from one-to-one are `layer`'s input."""
-        while var is not None and var not in self.paths:
+        """`var` and what it was computed from one-to-one are `layer`'s input, and so
+        is the forward variable of the same value (`twin`), whose recomputation
+        a backward product may read instead."""
+        todo, seen = [var], set()
+        while todo:
+            var = todo.pop()
+            if var is None or var in self.paths or var in seen:
+                continue
+            seen.add(var)
             self.feeds[var] = layer
-            var = self.source.get(var)
+            todo += [self.source.get(var), self.twin.get(var)]
 
     def layer_of(self, var: Any) -> Path | None:
         path = self.paths.get(var)
