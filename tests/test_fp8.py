@@ -271,10 +271,11 @@ def test_fp8_rule_errors(getkey):
 
 
 def test_fp8_guide_blocks_run(getkey):
-    """The two blocks of docs/guides/fp8.md (`autocast` with the rule, `filter_amp`
-    and `BiModel` with `fp8=`), on this test's model rather than the page's set-up."""
+    """The three blocks of docs/guides/fp8.md (`autocast` with the rule, with the rule
+    that also takes activation products, `filter_amp` and `BiModel` with `fp8=`), on
+    this test's model rather than the page's set-up."""
     code = [b for b in doc_blocks.blocks(GUIDE.read_text()) if not b.hidden]
-    assert len(code) == 2
+    assert len(code) == 3
     namespace = {
         "jax": jax,
         "eqx": eqx,

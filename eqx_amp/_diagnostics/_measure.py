@@ -308,7 +308,7 @@ class Measure(Hook):
             ):
                 warn_once(_NOT_MEASURED.format(name=eqn.primitive))
             return outs
-        recomputed = frame.transposed and _REMATERIALISED in frame.scopes
+        recomputed = frame.transposed and compat.REMATERIALISED_SCOPE in frame.scopes
         naming.flow(eqn, origins, recomputed)
         naming.replicate(eqn, invals)
         if recomputed:
@@ -421,10 +421,6 @@ class Measure(Hook):
         if np.size(a) != np.size(b):
             self.scale = a if np.size(a) < np.size(b) else b
 
-
-# The named scope JAX puts the forward equations under that `jax.checkpoint`'s
-# backward pass recomputes (`ad_checkpoint.remat_transpose`).
-_REMATERIALISED = "rematted_computation"
 
 _NOT_MEASURED = (
     "`telemetry` does not measure inside `lax.while_loop` and `lax.cond`, and this "

@@ -152,7 +152,7 @@ class Naming:
         """Whether the outputs are the same on every device along an axis they are
         typed as varying along: made so by `pvary`, or computed from such values and
         values typed as the same."""
-        if eqn.primitive.name == "pvary":  # JAX names the primitive in no public API
+        if eqn.primitive.name == compat.PVARY_NAME:
             (var,) = eqn.invars
             axes = frozenset(eqn.params["axes"]) | self.replicated.get(var, frozenset())
             self.replicated[eqn.outvars[0]] = axes

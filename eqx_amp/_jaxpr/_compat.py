@@ -170,6 +170,13 @@ custom_vjp_call_p = _primitive("custom_vjp_call_p")
 shard_map_p = _internal("jax._src.shard_map", "shard_map_p")
 add_jaxvals_p = _primitive("add_jaxvals_p", required=False)
 sharding_constraint_p = _primitive("sharding_constraint_p")
+# `shard_map` marks a replicated value varying along an axis with this primitive,
+# which no public API names (jax 0.10 to 0.12).
+PVARY_NAME = "pvary"
+# The named scope under which `jax.checkpoint`'s backward pass recomputes the forward
+# equations (`ad_checkpoint.remat_transpose`; jax 0.10 to 0.12), which no public API
+# names.
+REMATERIALISED_SCOPE = "rematted_computation"
 # `lax.custom_linear_solve` (inside `jnp.linalg.solve`): its jaxprs sit in a
 # namedtuple param.
 linear_solve_p = getattr(_solves, "linear_solve_p", None)
