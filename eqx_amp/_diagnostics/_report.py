@@ -16,7 +16,7 @@ from jax import lax
 from .._core._cast import is_floating_array, is_floating_dtype, is_half_dtype
 from .._core._describe import is_module
 from .._filter_amp._first_call import unchecked
-from .._fp8 import FP8_SCOPE, FP8_SKIPPED_SCOPE
+from .._fp8 import FP8_SCOPE, FP8_SKIPPED_SCOPE, block_scaled_flops
 from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import evaluate
 from .._jaxpr._hook import (
@@ -145,6 +145,9 @@ class PrecisionReport:
         dtypes it reads (`("float8_e4m3fn", "float8_e4m3fn")` forward, e5m2 with
         e4m3 backward) and as low precision. Products whose results nothing uses
         are not counted (they never run).
+    - `block_scaled_flops`: the FLOPs of block-scaled fp8 products
+        (`eqx_amp.fp8.MXFP8`), which count in `flops_by_dtypes` under
+        `("float8_e4m3fn", "float8_e4m3fn")` too.
     - `advice`: where less than half of the matmul FLOPs of a mixed-precision
         model run in low precision (those on parameters the filter spec keeps
         aside), what to change: the largest wide matmul, what made its wide
@@ -164,6 +167,7 @@ class PrecisionReport:
     wide_matmuls: tuple["WideMatmul", ...] = ()
     fp8_skipped: tuple[Fp8Skip, ...] = ()
     advice: str = ""
+    block_scaled_flops: int = 0
 
     @property
     def low_precision_share(self) -> float:
@@ -177,6 +181,12 @@ class PrecisionReport:
             f"({self.low_precision_flops:,} of {self.matmul_flops:,})",
             f"casts between floating dtypes: {self.casts}",
         ]
+        if self.block_scaled_flops:
+            lines.append(
+                "block-scaled (MXFP8) matmul FLOPs: "
+                f"{self.block_scaled_flops / max(self.matmul_flops, 1):.1%} "
+                f"({self.block_scaled_flops:,})"
+            )
         if self.advice:
             # Never inside a word: the advice names files, which a reader copies.
             advice = textwrap.wrap(
@@ -347,6 +357,7 @@ class _Census(Hook):
         )
         self.sites: collections.Counter = collections.Counter()
         self.matmul_flops = self.low_flops = self.casts = 0
+        self.block_scaled_flops = 0
         self.flops_by_dtypes: collections.Counter = collections.Counter()
         self.wide: list[WideMatmul] = []
         self.fp8_skipped: list[Fp8Skip] = []
@@ -484,6 +495,13 @@ class _Census(Hook):
                 self.fp8_skipped.append(
                     Fp8Skip(frame.source(eqn), skipped, flops, "/".join(frame.scopes))
                 )
+        block_scaled = block_scaled_flops(eqn)
+        if block_scaled is not None:
+            flops = block_scaled * frame.repeats
+            self.matmul_flops += flops
+            self.low_flops += flops
+            self.block_scaled_flops += flops
+            self.flops_by_dtypes[_dtype_names(eqn.invars[:2])] += flops
         if eqn.primitive is lax.convert_element_type_p:
             old, new = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
             floating = is_floating_dtype(old) and is_floating_dtype(new)
@@ -513,6 +531,7 @@ class _Census(Hook):
             flops_by_dtypes=dict(self.flops_by_dtypes),
             wide_matmuls=tuple(sorted(self.wide, key=lambda w: -w.flops)),
             fp8_skipped=tuple(self.fp8_skipped),
+            block_scaled_flops=self.block_scaled_flops,
         )
 
 

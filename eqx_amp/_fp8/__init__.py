@@ -12,16 +12,23 @@ read bfloat16 copies of the fp8 values (exact) and `precision_report` says so.
 Derivatives come from `jax.custom_vjp`, so the backward pass is exactly the one
 written here, and differentiating it again is refused.
 
+`MXFP8` products are block-scaled instead: e4m3 values and gradients with one
+power-of-two scale per 32 values along each product's contracting dimension,
+applied inside the GEMM (`_block_scaled`).
+
 The layers: `_scaling` (scales from amaxes), `_products` (the fp8 matmul and
-convolution with their derivative rules), `_rules` (where products run in fp8).
+convolution with their derivative rules), `_block_scaled` (the MXFP8 matmul and its
+derivative rule), `_rules` (where products run in fp8).
 """
 
+from ._block_scaled import block_scaled_flops as block_scaled_flops
 from ._products import FP8_SCOPE as FP8_SCOPE
 from ._products import FP8_SKIPPED_SCOPE as FP8_SKIPPED_SCOPE
 from ._products import holding_fp8_values as holding_fp8_values
 from ._products import known_fp8 as known_fp8
 from ._products import remember_fp8 as remember_fp8
 from ._rules import FP8_PRIMITIVES as FP8_PRIMITIVES
+from ._rules import MXFP8 as MXFP8
 from ._rules import ROWWISE as ROWWISE
 from ._rules import TENSORWISE as TENSORWISE
 from ._rules import Fp8Rule as Fp8Rule

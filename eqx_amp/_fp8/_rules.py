@@ -1,4 +1,4 @@
-"""Where fp8 products run: the fp8 rules (`eqx_amp.fp8.TENSORWISE`, `ROWWISE`), the
+"""Where fp8 products run: the fp8 rules (`eqx_amp.fp8.TENSORWISE`, `ROWWISE`, `MXFP8`), the
 shapes an fp8 kernel takes, `eqx_amp.fp8.dot_general`, and the hooks that rebind a
 program's matmuls and convolutions as fp8 ones."""
 
@@ -18,6 +18,7 @@ from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import batched_like, evaluate_function
 from .._jaxpr._hook import Hook, Origin
 from .._jaxpr._outer_vmap import batched_after_tracing
+from ._block_scaled import BLOCK, mxfp8_matmul
 from ._products import (
     FP8_SCOPE,
     FP8_SKIPPED_SCOPE,
@@ -34,8 +35,8 @@ from ._scaling import E4M3, finite_amax, quantize_with, scale_from_amax
 
 # fp8 GEMMs (cuBLASLt on Hopper) need every dimension to be a multiple of 16.
 FP8_MULTIPLE = 16
-Scaling = Literal["tensorwise", "rowwise"]
-_SCALINGS = ("tensorwise", "rowwise")
+Scaling = Literal["tensorwise", "rowwise", "mxfp8"]
+_SCALINGS = ("tensorwise", "rowwise", "mxfp8")
 
 
 class Fp8Rule:
@@ -47,14 +48,19 @@ class Fp8Rule:
     says why. Under `autocast`, matmuls that read no parameter (attention's scores
     and probabilities times values) stay in the compute dtype too, unless the rule
     is `.with_activation_products()`. Other ops under an fp8 scope rule follow their
-    own primitive's rule."""
+    own primitive's rule.
 
-    # What an fp8 GEMM needs every dimension to be a multiple of.
-    multiple = FP8_MULTIPLE
+    `eqx_amp.fp8.MXFP8` runs matmuls block-scaled (MXFP8: e4m3 values with a
+    power-of-two scale per 32 along each product's contracting dimension, applied
+    inside the GEMM: cuDNN's on Blackwell), those whose contracting size is a
+    multiple of 32; its convolutions are tensorwise fp8 ones."""
 
     def __init__(self, name: str, scaling: str, activation_products: bool = False):
         self.name = name
         self.scaling = scaling
+        # What an fp8 GEMM needs every dimension (an MXFP8 one: the contracting
+        # one) to be a multiple of.
+        self.multiple = BLOCK if scaling == "mxfp8" else FP8_MULTIPLE
         # Under `autocast`: also the products that read no parameter (attention's
         # scores and its probabilities times values), whose operands are quantised
         # at every call: at a GPT-2-small size on an H100 that costs more than the
@@ -112,9 +118,9 @@ class Fp8Rule:
         if self.scaling != "tensorwise":
             raise TypeError(
                 f"`gather_params(..., fp8={self!r})`: a weight is gathered in fp8 "
-                "with one scale for all of it, which rowwise products would not "
-                "reuse; pass `eqx_amp.fp8.TENSORWISE`, or leave `fp8` out to gather "
-                "in the compute dtype."
+                f"with one scale for all of it, which {self.scaling} products would "
+                "not reuse; pass `eqx_amp.fp8.TENSORWISE`, or leave `fp8` out to "
+                "gather in the compute dtype."
             )
         if compute_dtype.itemsize < 2:
             raise ValueError(
@@ -163,13 +169,13 @@ class Fp8Rule:
 
 TENSORWISE = Fp8Rule("TENSORWISE", "tensorwise")
 ROWWISE = Fp8Rule("ROWWISE", "rowwise")
+MXFP8 = Fp8Rule("MXFP8", "mxfp8")
 
 
 def _with_activation_products(name: str) -> Fp8Rule:
     """The rule `name` with its activation products (how such a rule unpickles)."""
-    return {"TENSORWISE": TENSORWISE, "ROWWISE": ROWWISE}[
-        name
-    ].with_activation_products()
+    rules = {"TENSORWISE": TENSORWISE, "ROWWISE": ROWWISE, "MXFP8": MXFP8}
+    return rules[name].with_activation_products()
 
 
 def conv_in_fp8(lhs, rhs, params: dict, out_dtype, only_eligible: bool) -> Array:
@@ -263,11 +269,17 @@ def matmul_in_fp8(
         return _batched_as_one(
             lax.dot_general_p, params, scaling, out_dtype, only_eligible, grad_dtype
         )(lhs, rhs)
-    reason = fp8_eligible(lhs.shape, rhs.shape, dims) if only_eligible else None
-    if reason is not None:
-        with jax.named_scope(f"{FP8_SKIPPED_SCOPE}: {reason}"):
+    eligible = mxfp8_eligible if scaling == "mxfp8" else fp8_eligible
+    reason = eligible(lhs.shape, rhs.shape, dims) if only_eligible else None
+    if reason is not None or min(lhs.shape + rhs.shape, default=1) == 0:
+        with jax.named_scope(f"{FP8_SKIPPED_SCOPE}: {reason or 'an empty product'}"):
             return lax.dot_general(lhs.astype(out_dtype), rhs.astype(out_dtype), dims)
     lhs_dtype, rhs_dtype = jnp.result_type(lhs), jnp.result_type(rhs)
+    if scaling == "mxfp8":
+        shapes = (lhs.shape, rhs.shape)
+        return mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype)(
+            lhs, rhs
+        )
     matmul = fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype, grad_dtype)
     known = (None, None)
     if scaling == "tensorwise":
@@ -299,10 +311,21 @@ def dot_general(
     batch, as for the batched matmul; under GSPMD their amax is reduced across
     devices.
 
+    With `scaling="mxfp8"` the product is block-scaled (MXFP8): each block of 32
+    values along the contracting axes gets its own power-of-two (e8m0) scale, the
+    block's amax rounded up (RCEIL), which the GEMM applies (`jax.nn.scaled_matmul`,
+    cuDNN's block-scaled GEMM, on CUDA; `jax.lax.scaled_dot`, which dequantises,
+    elsewhere). Gradients are e4m3 too, and each backward product quantises
+    along its own contracting axes (the operands' forms for it are saved in the
+    forward pass, 1 byte a value); a contracting size that is not a multiple of
+    32 is padded with zeros. An inf or NaN makes only the outputs that read its
+    block non-finite.
+
     **Arguments:**
 
     - `lhs`, `rhs`, `dimension_numbers`: as for `jax.lax.dot_general`.
-    - `scaling`: `"tensorwise"` (one scale per operand) or `"rowwise"`.
+    - `scaling`: `"tensorwise"` (one scale per operand), `"rowwise"` or `"mxfp8"`
+        (one per 32 values along the contracting axes).
     - `out_dtype`: the output (and backward compute) dtype, a floating dtype of 16
         bits or more or one of the package's words (`"bf16"`); `None` means the
         wider of the operands' dtypes (bfloat16 for bfloat16 operands).
@@ -319,7 +342,7 @@ def dot_general(
     """
     if scaling not in _SCALINGS:
         raise ValueError(
-            f"`scaling` must be 'tensorwise' or 'rowwise', not {scaling!r}."
+            f"`scaling` must be 'tensorwise', 'rowwise' or 'mxfp8', not {scaling!r}."
         )
     for name, operand in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(jnp.result_type(operand), jnp.floating):
@@ -386,6 +409,20 @@ def fp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:
     bad = [f"{name} size {n}" for name, n in sizes.items() if n % FP8_MULTIPLE]
     if bad:
         return f"{', '.join(bad)} not a multiple of {FP8_MULTIPLE}"
+    return None
+
+
+def mxfp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:
+    """Why a matmul of these shapes cannot run as an MXFP8 GEMM, or `None` if it
+    can: its contracting size must be a multiple of the block size, 32 (the
+    backward products' contracting sizes, the forward's free ones, are padded)."""
+    (lc, _), _ = dims
+    contracting = int(np.prod([lhs_shape[i] for i in lc], dtype=np.int64))
+    if contracting % BLOCK:
+        return (
+            f"contracting size {contracting} not a multiple of the MXFP8 block "
+            f"size {BLOCK}"
+        )
     return None
 
 

@@ -1,0 +1,261 @@
+"""MXFP8 products: block-scaled fp8 matmuls (`eqx_amp.fp8.MXFP8`), first-order only.
+
+The OCP microscaling recipe that Blackwell's tensor cores run: every block of 32
+consecutive values along a product's contracting dimension is stored as
+`float8_e4m3fn` values with one power-of-two `float8_e8m0fnu` scale, rounded up
+from the block's largest finite magnitude (RCEIL: the block's amax lands in
+(224, 448], e4m3's top binade, and nothing saturates). The GEMM applies the scales
+itself: JAX's `jax.nn.scaled_matmul` on CUDA (cuDNN's `__cudnn$blockScaledDot`
+where XLA knows cuDNN 9.8 or later), JAX's `lax.scaled_dot` elsewhere (on a CPU it
+dequantises to bfloat16, which is exact, and multiplies with float32
+accumulation): the same numbers either way.
+
+Each product quantises along its own contracting dimension, the backward ones too:
+the forward pass quantises each operand twice, along the forward product's
+contracting dimension and along the one its backward product contracts (the tokens
+for the weight gradient, the output features for the input gradient), and saves
+the second form, 1 byte a value plus a scale per 32, for the backward pass. The
+output gradient is quantised to e4m3 along each backward product's contracting
+dimension. A backward product whose contracting size is not a multiple of 32 has
+it padded with zeros (zeros change no sum).
+"""
+
+import functools as ft
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array
+
+from ._products import FP8_SCOPE, free_axes
+from ._scaling import E4M3
+
+
+# Values per scale, along the contracting dimension.
+BLOCK = 32
+E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
+# The named scope inside `FP8_SCOPE` that block-scaled products run under: the
+# compiled GPU program's op names show it beside each cuDNN call.
+MXFP8_SCOPE = "mxfp8"
+# The dtypes JAX's block-scaled products emit.
+_PRODUCT_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.float16)))
+_E4M3_MAX = float(jnp.finfo(E4M3).max)
+
+
+def block_scales(amax: Array) -> tuple[Array, Array]:
+    """The e8m0 scale of each block whose largest finite magnitude is `amax`
+    (float32), rounded up to a power of two (RCEIL: `amax / 448` rounded up), and
+    the float32 factor that quantises the block (its inverse, exactly). An
+    all-zero block gets e8m0's smallest scale, 2**-127."""
+    ratio = amax.astype(jnp.float32) / _E4M3_MAX
+    bits = lax.bitcast_convert_type(ratio, jnp.uint32)
+    exponent, mantissa = bits >> 23, bits & 0x7FFFFF
+    # A normal ratio with mantissa bits rounds up one binade; a subnormal one is
+    # 2**-127 (e8m0's smallest) or, above it, 2**-126.
+    exponent = jnp.where(
+        exponent == 0,
+        (mantissa > 0x400000).astype(jnp.uint32),
+        exponent + (mantissa > 0).astype(jnp.uint32),
+    )
+    # `amax` is finite, so the exponent is at most 248: no e8m0 NaN (255).
+    scale = lax.bitcast_convert_type(exponent.astype(jnp.uint8), E8M0)
+    # 2**(127 - exponent), a normal float32 for every exponent reached (0 to 248).
+    factor = lax.bitcast_convert_type((254 - exponent) << 23, jnp.float32)
+    return scale, factor
+
+
+def mx_quantize(x: Array) -> tuple[Array, Array]:
+    """`x` of shape `(B, R, K)` in MXFP8 along its last axis: e4m3 values of shape
+    `(B, R, K')` and e8m0 scales `(B, R, K' / 32)`, `K'` the multiple of 32 that `K`
+    is padded to with zeros. inf and NaN do not set their block's scale: they stay
+    non-finite (as NaN: e4m3fn has no inf) in their block, which only the outputs
+    that read it see."""
+    k = x.shape[-1]
+    padded = -k % BLOCK
+    if padded:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded)])
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, BLOCK)
+    magnitude = jnp.abs(blocks)
+    amax = jnp.max(
+        jnp.where(jnp.isfinite(magnitude), magnitude, 0.0), axis=-1, keepdims=True
+    )
+    scale, factor = block_scales(lax.stop_gradient(amax))
+    # Rounding up keeps every finite value within e4m3's range: no clip is needed.
+    values = (blocks * factor).astype(E4M3).reshape(x.shape)
+    return values, scale[..., 0]
+
+
+def _cuda_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
+    return jax.nn.scaled_matmul(
+        lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=dtype
+    )
+
+
+def _portable_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
+    return lax.scaled_dot(
+        lhs,
+        rhs,
+        lhs_scale=lhs_scales,
+        rhs_scale=rhs_scales,
+        dimension_numbers=(((2,), (2,)), ((0,), (0,))),
+        preferred_element_type=dtype,
+    )
+
+
+def block_product(lhs, rhs, lhs_scales, rhs_scales, dtype) -> Array:
+    """`(B, M, K) x (B, N, K) -> (B, M, N)` of MXFP8 operands, the scales applied in
+    the GEMM, accumulated in float32 and returned in `dtype`: cuDNN's block-scaled
+    GEMM through `jax.nn.scaled_matmul` when compiled for CUDA, `lax.scaled_dot`
+    (a dequantising dot) for any other platform (chosen as the program is lowered,
+    so a CPU can compile for a GPU)."""
+    dtype = jnp.dtype(dtype)
+    emit = dtype if dtype in _PRODUCT_DTYPES else jnp.dtype(jnp.float32)
+    out = lax.platform_dependent(
+        lhs,
+        rhs,
+        lhs_scales,
+        rhs_scales,
+        cuda=ft.partial(_cuda_product, dtype=emit),
+        default=ft.partial(_portable_product, dtype=emit),
+    )
+    return out.astype(dtype)
+
+
+def _to_3d(x: Array, contracting, batch) -> Array:
+    """`x` as `(batch, free, contracting)`, each group of axes flattened into one, in
+    the order the dimension numbers give them (so that two operands' batch and
+    contracting axes stay paired)."""
+    free = free_axes(x.ndim, contracting, batch)
+    order = [*batch, *free, *contracting]
+    size = lambda axes: int(np.prod([x.shape[a] for a in axes], dtype=np.int64))  # noqa: E731
+    return jnp.transpose(x, order).reshape(size(batch), size(free), size(contracting))
+
+
+def _from_3d(x3: Array, shape, contracting, batch) -> Array:
+    """The inverse of `_to_3d` for an array of `shape`: `x3` (batch, free,
+    contracting) laid out as the operand again."""
+    free = free_axes(len(shape), contracting, batch)
+    order = [*batch, *free, *contracting]
+    x = x3.reshape([shape[a] for a in order])
+    return jnp.transpose(x, np.argsort(order))
+
+
+def _transposed(x3: Array) -> Array:
+    return jnp.swapaxes(x3, 1, 2)
+
+
+def _higher_order_refused(values: Any) -> Any:
+    return values
+
+
+# The identity around a backward pass's inputs, whose derivative is refused: the
+# MXFP8 products have first-order derivatives only, like the other fp8 products
+# (`_products`), whose message this repeats.
+_first_order_only = jax.custom_jvp(_higher_order_refused)
+
+_HIGHER_ORDER = (
+    "MXFP8 matmuls (`eqx_amp.fp8.MXFP8`, `eqx_amp.fp8.dot_general(..., "
+    "scaling='mxfp8')`) have first-order derivatives only: differentiating their "
+    "backward pass again (a Hessian, a Hessian-vector product, `jax.jvp` of a "
+    "gradient) would round the second-order terms to fp8 without scales. Keep the "
+    "products such a derivative goes through out of fp8 (an `fp8_filter`, or a scope "
+    "rule `eqx_amp.LOW`), or differentiate once."
+)
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+    del primals, tangents
+    raise NotImplementedError(_HIGHER_ORDER)
+
+
+def mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
+    """The MXFP8 matmul `dot_general(lhs, rhs, dims)` of operands of `shapes` for
+    one set of static arguments, with its derivative rule: returned in
+    `out_dtype`; the backward products emit `grad_dtype` (their scales are applied
+    inside them, so any floating dtype of 16 bits or more has their range) and the
+    gradients come back in the operands' dtypes. Called as `matmul(lhs, rhs)`."""
+    (lc, rc), (lb, rb) = dims
+    lhs_shape, rhs_shape = shapes
+
+    def product(lhs3, rhs3):
+        out3 = block_product(
+            *_operands(mx_quantize(lhs3), mx_quantize(rhs3)), out_dtype
+        )
+        return out3.reshape(_output_shape(lhs_shape, rhs_shape, dims))
+
+    @jax.custom_vjp
+    @jax.named_scope(FP8_SCOPE)
+    @jax.named_scope(MXFP8_SCOPE)
+    def matmul(lhs, rhs):
+        return product(_to_3d(lhs, lc, lb), _to_3d(rhs, rc, rb))
+
+    @jax.named_scope(FP8_SCOPE)
+    @jax.named_scope(MXFP8_SCOPE)
+    def forward(lhs, rhs):
+        lhs3, rhs3 = _to_3d(lhs, lc, lb), _to_3d(rhs, rc, rb)
+        # Saved for the backward products, quantised along what they contract:
+        # the lhs along its free axes (the weight gradient's tokens), the rhs
+        # along its own (the input gradient's output features).
+        residuals = (mx_quantize(_transposed(lhs3)), mx_quantize(_transposed(rhs3)))
+        return product(lhs3, rhs3), residuals
+
+    @jax.named_scope(FP8_SCOPE)
+    @jax.named_scope(MXFP8_SCOPE)
+    def backward(residuals, cotangent):
+        (lhs_t, rhs_t), cotangent = _first_order_only((residuals, cotangent))
+        g3 = cotangent.reshape(_output_3d(lhs_shape, rhs_shape, dims))
+        # d lhs (B, M, K) = g (B, M, N) . rhs^T (B, K, N): contracts N.
+        dlhs3 = block_product(*_operands(mx_quantize(g3), rhs_t), grad_dtype)
+        # d rhs (B, N, K) = g^T (B, N, M) . lhs^T (B, K, M): contracts M.
+        g3_t = mx_quantize(_transposed(g3))
+        drhs3 = block_product(*_operands(g3_t, lhs_t), grad_dtype)
+        dlhs = _from_3d(dlhs3, lhs_shape, lc, lb)
+        drhs = _from_3d(drhs3, rhs_shape, rc, rb)
+        return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype)
+
+    matmul.defvjp(forward, backward)
+    return matmul
+
+
+def _operands(lhs: tuple[Array, Array], rhs: tuple[Array, Array]):
+    """`block_product`'s arguments from two (values, scales) pairs."""
+    (ql, sl), (qr, sr) = lhs, rhs
+    return ql, qr, sl, sr
+
+
+def _output_shape(lhs_shape, rhs_shape, dims) -> tuple[int, ...]:
+    (lc, rc), (lb, rb) = dims
+    return (
+        *(lhs_shape[a] for a in lb),
+        *(lhs_shape[a] for a in free_axes(len(lhs_shape), lc, lb)),
+        *(rhs_shape[a] for a in free_axes(len(rhs_shape), rc, rb)),
+    )
+
+
+def _output_3d(lhs_shape, rhs_shape, dims) -> tuple[int, int, int]:
+    """The output as `(batch, lhs free, rhs free)`, each group flattened."""
+    (lc, rc), (lb, rb) = dims
+    size = lambda shape, axes: int(np.prod([shape[a] for a in axes], dtype=np.int64))  # noqa: E731
+    return (
+        size(lhs_shape, lb),
+        size(lhs_shape, free_axes(len(lhs_shape), lc, lb)),
+        size(rhs_shape, free_axes(len(rhs_shape), rc, rb)),
+    )
+
+
+# The primitive under `jax.nn.scaled_matmul` (the CUDA branch of `block_product`),
+# known by name: JAX exports no handle on it (jax 0.10). The other branch's
+# `scaled_dot` is the same product, for other platforms: reports count this one.
+_BLOCK_SCALED_PRIMITIVE = "scaled_matmul_wrapper"
+
+
+def block_scaled_flops(eqn: Any) -> int | None:
+    """The FLOPs of `eqn` if it is a block-scaled product (`(B, M, K) x (B, N, K)`),
+    else None."""
+    if eqn.primitive.name != _BLOCK_SCALED_PRIMITIVE:
+        return None
+    (b, m, k), n = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape[1]
+    return 2 * b * m * n * k
