@@ -195,6 +195,8 @@ def mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
     @jax.named_scope(FP8_SCOPE)
     @jax.named_scope(MXFP8_SCOPE)
     def forward(lhs, rhs):
+        # Differentiated only as part of a higher-order derivative.
+        lhs, rhs = _first_order_only((lhs, rhs))
         lhs3, rhs3 = _to_3d(lhs, lc, lb), _to_3d(rhs, rc, rb)
         # Saved for the backward products, quantised along what they contract:
         # the lhs along its free axes (the weight gradient's tokens), the rhs

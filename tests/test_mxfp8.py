@@ -1,0 +1,368 @@
+"""`eqx_amp.fp8.MXFP8` and `eqx_amp.fp8.dot_general(..., scaling="mxfp8")`: block-scaled
+fp8 matmuls (e4m3 values and gradients, an e8m0 scale per 32 values along each
+product's contracting dimension, rounded up from the block's amax).
+
+The hostile matrix, forward and first-order backward: the CPU computes the MXFP8
+numbers exactly (against a NumPy quantiser and float64 products of its values),
+scales are RCEIL powers of two, a block of zeros, one huge value in a block,
+float32 subnormals, one NaN or inf (its block's outputs only, never another
+block's), error against float32 within the format's bound; shapes and dimension
+numbers (batch axes, several contracting axes, sizes that are not multiples of 32);
+the residuals saved in MXFP8 form; second order refused; every road (`filter_amp`,
+`BiModel`, `autocast`, `dot_general`) under `jax.vmap` and `eqx.filter_vmap`;
+products whose contracting size is not a multiple of 32 left in the compute dtype
+with the reason; the report's block-scaled FLOPs.
+"""
+
+import pickle
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import ml_dtypes
+import numpy as np
+import pytest
+
+import eqx_amp
+
+
+MATMUL = (((1,), (0,)), ((), ()))
+E4M3_ULP, E4M3_SUBNORMAL = 2.0**-4, 2.0**-9  # unit roundoff; spacing below 2**-6
+
+
+def _blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy MXFP8 of `x` along its last axis (padded to 32): the dequantised
+    values and each block's scale, from the finite amax rounded up (RCEIL)."""
+    x = np.asarray(x, np.float32)
+    pad = -x.shape[-1] % 32
+    x = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    finite = np.where(np.isfinite(blocks), np.abs(blocks), 0.0)
+    amax = finite.max(-1, keepdims=True).astype(np.float64)
+    exponent = np.ceil(np.log2(np.maximum(amax / 448.0, 2.0**-127)))
+    scale = 2.0**exponent
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = (blocks / scale).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    values = q.astype(np.float64) * scale
+    return values.reshape(x.shape), scale[..., 0]
+
+
+def _mxfp8_reference(x, w, g):
+    """The MXFP8 product of `x (m, k) @ w (k, n)` and its two backward products,
+    each operand quantised along that product's contracting axis, in float64."""
+    x, w, g = (np.asarray(a, np.float32) for a in (x, w, g))
+    k, n, m = x.shape[1], w.shape[1], x.shape[0]
+    y = _blocks(x)[0][:, :k] @ _blocks(w.T)[0][:, :k].T
+    dx = _blocks(g)[0][:, :n] @ _blocks(w)[0][:, :n].T
+    dw = (_blocks(g.T)[0][:, :m] @ _blocks(x.T)[0][:, :m].T).T
+    return y, dx, dw
+
+
+@jax.jit
+def _product_and_grads(x, w, g):
+    def product(x, w):
+        return eqx_amp.fp8.dot_general(
+            x, w, MATMUL, scaling="mxfp8", out_dtype=jnp.float32
+        )
+
+    y, pullback = jax.vjp(product, x, w)
+    return (y, *pullback(g))
+
+
+def _close(actual, expected, rtol=1e-5):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected)
+    scale = np.max(np.abs(expected[np.isfinite(expected)]), initial=0.0)
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale + 1e-30)
+
+
+@pytest.mark.parametrize("shape", [(64, 96, 48), (40, 64, 24), (10, 32, 10)])
+def test_cpu_computes_mxfp8_numbers(getkey, shape):
+    """Forward and both backward products are those of the MXFP8 values, each
+    operand quantised along its product's contracting axis (padded with zeros
+    where the size is not a multiple of 32)."""
+    m, k, n = shape
+    x = jr.normal(getkey(), (m, k)) * jnp.exp(2 * jr.normal(getkey(), (m, k)))
+    w = jr.normal(getkey(), (k, n))
+    g = jr.normal(getkey(), (m, n)) * 1e-3
+    for actual, expected in zip(_product_and_grads(x, w, g), _mxfp8_reference(x, w, g)):
+        _close(actual, expected)
+
+
+def test_scales_are_rceil_powers_of_two(getkey):
+    from eqx_amp._fp8._block_scaled import mx_quantize
+
+    x = jr.normal(getkey(), (2, 3, 128)) * jnp.exp(4 * jr.normal(getkey(), (2, 3, 4, 1))).reshape(2, 3, 4, 1).repeat(32, -1).reshape(2, 3, 128)  # fmt: skip
+    q, scales = mx_quantize(x)
+    assert q.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float8_e8m0fnu
+    assert q.shape == x.shape and scales.shape == (2, 3, 4)
+    scale = np.asarray(scales.astype(jnp.float32), np.float64)
+    assert np.all(np.log2(scale) == np.round(np.log2(scale)))
+    amax = np.abs(np.asarray(x)).reshape(2, 3, 4, 32).max(-1)
+    # Rounded up: the block's amax lands in (224, 448], so nothing saturates.
+    assert np.all(amax / scale <= 448.0) and np.all(amax / scale > 224.0)
+    np.testing.assert_array_equal(
+        np.asarray(scale), _blocks(np.asarray(x))[1].reshape(2, 3, 4)
+    )
+
+
+def _bound(x, w):
+    """The MXFP8 error bound of `x @ w` against the exact product: each factor off
+    by e4m3's unit roundoff, or its subnormal spacing at its block's scale."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    sx = np.repeat(_blocks(x)[1], 32, -1)[:, : x.shape[1]]
+    sw = np.repeat(_blocks(w.T)[1], 32, -1)[:, : w.shape[0]].T
+    dx = np.maximum(E4M3_ULP * np.abs(x), E4M3_SUBNORMAL * sx)
+    dw = np.maximum(E4M3_ULP * np.abs(w), E4M3_SUBNORMAL * sw)
+    return np.abs(x) @ dw + dx @ np.abs(w) + dx @ dw
+
+
+def test_error_against_float32_within_the_mxfp8_bound(getkey):
+    x = jr.normal(getkey(), (64, 256)) * jnp.exp(3 * jr.normal(getkey(), (64, 256)))
+    w = jr.normal(getkey(), (256, 32))
+    y = eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8", out_dtype=jnp.float32)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    error = np.abs(np.asarray(y, np.float64) - exact)
+    bound = _bound(x, w) * (1 + 1e-4) + 1e-6 * np.abs(exact)
+    assert np.all(error <= bound)
+
+    # Block scales keep a small row beside a huge one, which a single tensorwise
+    # scale flushes.
+    x = x.at[0].multiply(1e6).at[1].multiply(1e-6)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    for scaling, worst in (("mxfp8", 0.1), ("tensorwise", None)):
+        y = eqx_amp.fp8.dot_general(
+            x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32
+        )
+        relative = np.abs(np.asarray(y[1]) - exact[1]).max() / np.abs(exact[1]).max()
+        assert relative < worst if worst else relative > 0.5
+
+
+def test_block_of_zeros_and_one_huge_value(getkey):
+    """A block of zeros stays zero (and finite); one huge value in a block flushes
+    that block's small values but no other block's."""
+    x = jr.normal(getkey(), (32, 128))
+    x = x.at[:, 32:64].set(0.0).at[3, 70].set(1e30)
+    w = jr.normal(getkey(), (128, 32))
+    g = jr.normal(getkey(), (32, 32))
+    y, dx, dw = _product_and_grads(x, w, g)
+    assert all(bool(jnp.all(jnp.isfinite(a))) for a in (y, dx, dw))
+    for actual, expected in zip((y, dx, dw), _mxfp8_reference(x, w, g)):
+        _close(actual, expected)
+    # Row 3's other blocks quantise as they would without the huge value.
+    q_with = _blocks(np.asarray(x))[0]
+    q_without = _blocks(np.asarray(x.at[3, 70].set(0.0)))[0]
+    np.testing.assert_array_equal(q_with[3, :64], q_without[3, :64])
+    np.testing.assert_array_equal(q_with[3, 96:], q_without[3, 96:])
+
+
+def test_float32_subnormals(getkey):
+    x = jr.normal(getkey(), (32, 64)) * 1e-40  # float32 subnormals
+    w = jr.normal(getkey(), (64, 32))
+    y = eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8", out_dtype=jnp.float32)
+    assert bool(jnp.all(jnp.isfinite(y)))
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    # e8m0's smallest scale, 2**-127, still holds them as e4m3 values; the
+    # product is the one of the rounded values, flushed only below float32's range.
+    assert np.max(np.abs(np.asarray(y) - exact)) <= 0.2 * np.max(np.abs(exact))
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+@pytest.mark.parametrize("where", ["lhs", "rhs", "cotangent"])
+def test_one_non_finite_value_stays_in_its_block(getkey, bad, where):
+    """One NaN or inf makes non-finite only the outputs that read its block; every
+    other output equals the product without it."""
+    x, w = jr.normal(getkey(), (32, 64)), jr.normal(getkey(), (64, 32))
+    g = jr.normal(getkey(), (32, 32))
+    clean = _product_and_grads(x, w, g)
+    if where == "lhs":
+        x = x.at[5, 40].set(bad)
+    elif where == "rhs":
+        w = w.at[40, 7].set(bad)
+    else:
+        g = g.at[5, 7].set(bad)
+    dirty = _product_and_grads(x, w, g)
+    # The outputs reading the block: row 5 / column 7 of y; in the gradients, the
+    # products that contract the bad value's block.
+    touched = {
+        "lhs": (np.s_[5, :], np.s_[5, :], np.s_[32:64, :]),
+        "rhs": (np.s_[:, 7], np.s_[:, 32:64], np.s_[40, 7]),
+        "cotangent": ((), np.s_[5, :], np.s_[:, 0:32]),
+    }[where]
+    for clean_a, dirty_a, rows in zip(clean, dirty, touched):
+        clean_a, dirty_a = np.asarray(clean_a), np.asarray(dirty_a)
+        mask = np.zeros(clean_a.shape, bool)
+        if rows != ():
+            mask[rows] = True
+        np.testing.assert_array_equal(dirty_a[~mask], clean_a[~mask])
+    # The forward output that reads it is not finite.
+    if where != "cotangent":
+        assert not np.all(np.isfinite(np.asarray(dirty[0])[touched[0]]))
+
+
+@pytest.mark.parametrize(
+    "dims, lhs_shape, rhs_shape",
+    [
+        ((((2,), (1,)), ((0,), (0,))), (3, 40, 64), (3, 64, 24)),  # batched
+        ((((0, 2), (1, 0)), ((), ())), (8, 5, 4), (4, 8, 6)),  # two contracting
+        ((((1,), (2,)), ((0,), (1,))), (2, 64, 7), (5, 2, 64)),  # batch not leading
+    ],
+)
+def test_dimension_numbers(getkey, dims, lhs_shape, rhs_shape):
+    x, w = jr.normal(getkey(), lhs_shape), jr.normal(getkey(), rhs_shape)
+
+    def product(x, w, fp8):
+        if fp8:
+            return eqx_amp.fp8.dot_general(x, w, dims, scaling="mxfp8")
+        return jax.lax.dot_general(x, w, dims)
+
+    y, y_ref = product(x, w, True), product(x, w, False)
+    assert y.shape == y_ref.shape and y.dtype == jnp.float32
+    _close(y, y_ref, rtol=0.1)
+    grads = jax.grad(lambda x, w: jnp.sum(product(x, w, True) ** 2), (0, 1))(x, w)
+    ref = jax.grad(lambda x, w: jnp.sum(product(x, w, False) ** 2), (0, 1))(x, w)
+    for a, b in zip(grads, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        _close(a, b, rtol=0.15)
+
+
+def test_bfloat16_in_and_out(getkey):
+    x = jr.normal(getkey(), (32, 64), jnp.bfloat16)
+    w = jr.normal(getkey(), (64, 32), jnp.bfloat16)
+    y = eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8")
+    assert y.dtype == jnp.bfloat16
+    dx, dw = jax.grad(
+        lambda x, w: jnp.sum(
+            eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8").astype(jnp.float32)
+        ),
+        (0, 1),
+    )(x, w)
+    assert dx.dtype == dw.dtype == jnp.bfloat16
+
+
+def _residual_bytes(f, *args) -> int:
+    _, pullback = jax.vjp(f, *args)
+    leaves = jax.tree.leaves(jax.eval_shape(lambda: pullback))
+    return sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in leaves)
+
+
+def test_residuals_saved_in_mxfp8_form(getkey):
+    x = jr.normal(getkey(), (256, 512), jnp.bfloat16)
+    w = jr.normal(getkey(), (512, 256), jnp.bfloat16)
+    mx = _residual_bytes(
+        lambda x, w: eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8"), x, w
+    )
+    bf16 = _residual_bytes(lambda x, w: x @ w, x, w)
+    # 1 byte a value and one byte of scale per 32: (1 + 1/32) / 2 of bfloat16's.
+    assert mx == pytest.approx(bf16 * 33 / 64, rel=0.01)
+
+
+def test_second_order_refused(getkey):
+    x, w = jr.normal(getkey(), (32, 32)), jr.normal(getkey(), (32, 32))
+
+    def loss(w):
+        return jnp.sum(eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8") ** 2)
+
+    jax.grad(loss)(w)
+    with pytest.raises(NotImplementedError, match="first-order derivatives only"):
+        jax.hessian(loss)(w)
+
+
+def test_jit_matches_eager(getkey):
+    x, w = jr.normal(getkey(), (32, 64)), jr.normal(getkey(), (64, 32))
+
+    def f(x, w):
+        return eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8")
+
+    np.testing.assert_array_equal(f(x, w), jax.jit(f)(x, w))
+
+
+def test_bad_scaling_named():
+    with pytest.raises(ValueError, match="'tensorwise', 'rowwise' or 'mxfp8'"):
+        eqx_amp.fp8.dot_general(
+            jnp.ones((2, 2)), jnp.ones((2, 2)), MATMUL, scaling="mx"
+        )
+
+
+#
+# The rule on every road.
+#
+
+
+def _model(getkey, in_size=64):
+    return eqx.nn.MLP(in_size, 32, 64, 2, key=getkey())
+
+
+ROADS = {
+    "filter_amp": lambda m: eqx_amp.filter_amp(m, fp8=eqx_amp.fp8.MXFP8),
+    "bimodel": lambda m: eqx_amp.BiModel(m, fp8=eqx_amp.fp8.MXFP8),
+    "autocast": lambda m: eqx_amp.autocast(
+        m, rules={jax.lax.dot_general_p: eqx_amp.fp8.MXFP8}
+    ),
+}
+
+
+@pytest.mark.parametrize("road", sorted(ROADS))
+@pytest.mark.parametrize("vmap", ["jax.vmap", "eqx.filter_vmap inside"])
+def test_every_road_runs_block_scaled(getkey, road, vmap):
+    model = _model(getkey)
+    x = jr.normal(getkey(), (32, 64))
+
+    def forward(model, x):
+        if vmap == "jax.vmap":
+            return jax.vmap(ROADS[road](model))(x)
+        return ROADS[road](eqx.filter_vmap(model))(x)
+
+    def loss(model, x):
+        return jnp.mean(forward(model, x).astype(jnp.float32) ** 2)
+
+    report = eqx_amp.precision_report(forward, model, x)
+    total = 2 * 32 * (64 * 64 + 64 * 64 + 64 * 32)
+    assert report.block_scaled_flops == report.matmul_flops == total
+    assert report.flops_by_dtypes == {("float8_e4m3fn", "float8_e4m3fn"): total}
+    assert "block-scaled (MXFP8)" in str(report)
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(model, x)
+    reference = eqx.filter_grad(loss)(model, x)
+    out, ref_out = eqx.filter_jit(forward)(model, x), jax.vmap(model)(x)
+    assert out.dtype == jnp.float32
+    _close(out, ref_out, rtol=0.1)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)):
+        assert bool(jnp.all(jnp.isfinite(a)))
+
+
+def test_contracting_size_not_a_multiple_of_32_stays_in_compute_dtype(getkey):
+    model = _model(getkey, in_size=48)  # the first layer contracts 48
+    x = jr.normal(getkey(), (32, 48))
+    report = eqx_amp.precision_report(jax.vmap(ROADS["filter_amp"](model)), x)
+    (skip,) = report.fp8_skipped
+    assert (
+        "contracting size 48 not a multiple of the MXFP8 block size 32" in skip.reason
+    )
+    assert report.block_scaled_flops == 2 * 32 * (64 * 64 + 64 * 32)
+
+
+def test_rule_values():
+    rule = eqx_amp.fp8.MXFP8
+    assert repr(rule) == "eqx_amp.fp8.MXFP8" and rule.multiple == 32
+    assert pickle.loads(pickle.dumps(rule)) is rule
+    with_activations = rule.with_activation_products()
+    assert pickle.loads(pickle.dumps(with_activations)) == with_activations
+    assert rule != eqx_amp.fp8.TENSORWISE and hash(rule) != hash(with_activations)
+
+
+def test_gather_params_refuses_mxfp8():
+    with pytest.raises(TypeError, match="mxfp8 products would not reuse"):
+        eqx_amp.fp8.MXFP8.check_gather(jnp.dtype(jnp.bfloat16))
+
+
+def test_the_jaxpr_holds_cudnn_and_portable_products(getkey):
+    """The product is chosen per platform as the program is lowered: JAX's cuDNN
+    block-scaled GEMM for CUDA, `lax.scaled_dot` elsewhere."""
+    x, w = jr.normal(getkey(), (32, 64)), jr.normal(getkey(), (64, 32))
+    text = str(
+        jax.make_jaxpr(
+            lambda x, w: eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8")
+        )(x, w)
+    )
+    assert "scaled_matmul_wrapper" in text and "scaled_dot[" in text
+    assert "branches_platforms=(('cuda',), None)" in text
