@@ -45,46 +45,53 @@ _E4M3_MAX = float(jnp.finfo(E4M3).max)
 
 
 def block_scales(amax: Array) -> tuple[Array, Array]:
-    """The e8m0 scale of each block whose largest finite magnitude is `amax`
-    (float32), rounded up to a power of two (RCEIL: `amax / 448` rounded up), and
-    the float32 factor that quantises the block (its inverse, exactly). An
-    all-zero block gets e8m0's smallest scale, 2**-127."""
+    """The e8m0 scale of each block whose largest magnitude is `amax` (float32),
+    rounded up to a power of two (RCEIL: `amax / 448` rounded up), and the float32
+    factor that quantises the block (its inverse, exactly). An all-zero block gets
+    e8m0's smallest scale, 2**-127; a block holding an inf or NaN its largest,
+    2**127, with a factor of 0 (its finite values vanish beside it; it is not
+    finite in any product that reads it)."""
     ratio = amax.astype(jnp.float32) / _E4M3_MAX
     bits = lax.bitcast_convert_type(ratio, jnp.uint32)
     exponent, mantissa = bits >> 23, bits & 0x7FFFFF
     # A normal ratio with mantissa bits rounds up one binade; a subnormal one is
-    # 2**-127 (e8m0's smallest) or, above it, 2**-126.
+    # 2**-127 (e8m0's smallest) or, above it, 2**-126. A finite amax reaches 248
+    # at most; an inf or NaN one (255, 256) is held to 254: no e8m0 NaN (255).
     exponent = jnp.where(
         exponent == 0,
         (mantissa > 0x400000).astype(jnp.uint32),
-        exponent + (mantissa > 0).astype(jnp.uint32),
+        jnp.minimum(exponent + (mantissa > 0).astype(jnp.uint32), 254),
     )
-    # `amax` is finite, so the exponent is at most 248: no e8m0 NaN (255).
     scale = lax.bitcast_convert_type(exponent.astype(jnp.uint8), E8M0)
-    # 2**(127 - exponent), a normal float32 for every exponent reached (0 to 248).
+    # 2**(127 - exponent): a normal float32 for every finite amax, 0 for the rest.
     factor = lax.bitcast_convert_type((254 - exponent) << 23, jnp.float32)
     return scale, factor
 
 
-def mx_quantize(x: Array) -> tuple[Array, Array]:
-    """`x` of shape `(B, R, K)` in MXFP8 along its last axis: e4m3 values of shape
-    `(B, R, K')` and e8m0 scales `(B, R, K' / 32)`, `K'` the multiple of 32 that `K`
-    is padded to with zeros. inf and NaN do not set their block's scale: they stay
-    non-finite (as NaN: e4m3fn has no inf) in their block, which only the outputs
-    that read it see."""
-    k = x.shape[-1]
-    padded = -k % BLOCK
+def mx_quantize(x: Array, axis: int = 2) -> tuple[Array, Array]:
+    """`x` of shape `(B, R, C)` in MXFP8 along `axis` (1 or 2), with that axis last:
+    e4m3 values of shape `(B, R, C')` and e8m0 scales `(B, R, C' / 32)` for axis 2,
+    `(B, C, R')` and `(B, C, R' / 32)` for axis 1, the quantised axis padded with
+    zeros to a multiple of 32. The blocks are taken where they lie, so only the
+    fp8 values are transposed. A block holding an inf or NaN becomes NaN there and
+    zero elsewhere (`block_scales`): only the outputs that read it see it, and
+    they are not finite, as in float32."""
+    padded = -x.shape[axis] % BLOCK
     if padded:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded)])
-    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, BLOCK)
-    magnitude = jnp.abs(blocks)
-    amax = jnp.max(
-        jnp.where(jnp.isfinite(magnitude), magnitude, 0.0), axis=-1, keepdims=True
-    )
+        x = jnp.pad(x, [(0, padded) if a == axis else (0, 0) for a in range(x.ndim)])
+    shape = list(x.shape)
+    shape[axis : axis + 1] = [-1, BLOCK]
+    blocks = x.reshape(shape)
+    # No select of the finite values: it would make XLA materialise a float32
+    # copy of a tensor whose blocks run across its rows.
+    amax = jnp.max(jnp.abs(blocks.astype(jnp.float32)), axis=axis + 1, keepdims=True)
     scale, factor = block_scales(lax.stop_gradient(amax))
     # Rounding up keeps every finite value within e4m3's range: no clip is needed.
-    values = (blocks * factor).astype(E4M3).reshape(x.shape)
-    return values, scale[..., 0]
+    values = (blocks.astype(jnp.float32) * factor).astype(E4M3).reshape(x.shape)
+    scale = jnp.squeeze(scale, axis + 1)
+    if axis == 1:
+        values, scale = _transposed(values), _transposed(scale)
+    return values, scale
 
 
 def _cuda_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
@@ -201,7 +208,7 @@ def mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
         # Saved for the backward products, quantised along what they contract:
         # the lhs along its free axes (the weight gradient's tokens), the rhs
         # along its own (the input gradient's output features).
-        residuals = (mx_quantize(_transposed(lhs3)), mx_quantize(_transposed(rhs3)))
+        residuals = (mx_quantize(lhs3, axis=1), mx_quantize(rhs3, axis=1))
         return product(lhs3, rhs3), residuals
 
     @jax.named_scope(FP8_SCOPE)
@@ -211,9 +218,10 @@ def mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
         g3 = cotangent.reshape(_output_3d(lhs_shape, rhs_shape, dims))
         # d lhs (B, M, K) = g (B, M, N) . rhs^T (B, K, N): contracts N.
         dlhs3 = block_product(*_operands(mx_quantize(g3), rhs_t), grad_dtype)
-        # d rhs (B, N, K) = g^T (B, N, M) . lhs^T (B, K, M): contracts M.
-        g3_t = mx_quantize(_transposed(g3))
-        drhs3 = block_product(*_operands(g3_t, lhs_t), grad_dtype)
+        # d rhs^T (B, K, N) = lhs^T (B, K, M) . g^T (B, N, M): contracts M, and
+        # comes out laid out as a (K, N) weight is.
+        g3_t = mx_quantize(g3, axis=1)
+        drhs3 = _transposed(block_product(*_operands(lhs_t, g3_t), grad_dtype))
         dlhs = _from_3d(dlhs3, lhs_shape, lc, lb)
         drhs = _from_3d(drhs3, rhs_shape, rc, rb)
         return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype)
