@@ -36,11 +36,15 @@ eqx_amp.fp8.TENSORWISE)`, bfloat16 elsewhere): XLA's partitioner then all-gather
 weights already quantised to fp8 (each with its whole weight's scale), half
 bfloat16's bytes, and the weight gradients are reduced in bfloat16.
 
-On several hosts, run the same command on each with `--multi-host` (it calls
-`jax.distributed.initialize()`, which reads the coordinator from the cluster's
-environment: SLURM, Open MPI, Cloud TPU; or set `JAX_COORDINATOR_ADDRESS`,
-`JAX_NUM_PROCESSES` and `JAX_PROCESS_ID`). Each host then feeds its own slice of
-every batch.
+On several hosts, run the same command on each with `--multi-host`: it calls
+`jax.distributed.initialize()`, which finds the coordinator in the cluster's
+environment (SLURM, Open MPI, Cloud TPU), or, where `JAX_PROCESS_ID` is set, passes it
+`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID`. Each host then
+feeds its own rows of every batch, and process 0 prints the table. On one machine,
+as 2 processes of 4 CPU devices each (the same 4 x 2 mesh):
+
+    python -m eqx_amp.tools.launch_local 2 --cpu-devices 4 -- \
+        python examples/fsdp.py --multi-host
 """
 
 import argparse
@@ -216,8 +220,11 @@ def forward(policy, params, static, inputs, fp8=None):
     return model(inputs)
 
 
-def make_step(policy: eqx_amp.Policy | None, optimizer, shardings, fp8=None):
-    """One training step. `policy=None` is the float32 baseline."""
+def make_step(
+    policy: eqx_amp.Policy | None, optimizer, shardings, fp8=None, opt_shardings=None
+):
+    """One training step. `policy=None` is the float32 baseline. `opt_shardings`
+    keeps the optimizer state where it started too (else XLA chooses)."""
     scaled = policy is not None and policy.compute_dtype == jnp.float16
 
     def loss_fn(params, static, inputs, targets):
@@ -237,6 +244,8 @@ def make_step(policy: eqx_amp.Policy | None, optimizer, shardings, fp8=None):
         params = eqx.apply_updates(params, updates)
         # The updated weights stay where they were.
         params = jax.lax.with_sharding_constraint(params, shardings)
+        if opt_shardings is not None:
+            opt_state = jax.lax.with_sharding_constraint(opt_state, opt_shardings)
         return params, opt_state, loss
 
     return jax.jit(step, static_argnums=2, donate_argnums=(0, 1))
@@ -271,8 +280,21 @@ def train(name, policy, args, mesh, vocab, train_ids, val_ids, fp8=None):
     if policy is not None and policy.compute_dtype == jnp.float16:
         optimizer = eqx_amp.loss_scaling(optimizer)
     opt_state = optimizer.init(params)
+    # The step count (and loss scale) start on one device: replicated, and the whole
+    # state kept where it starts, every step sees the same shardings and the step
+    # compiles once.
+    replicated = NamedSharding(mesh, P())
+    opt_state = jtu.tree_map(
+        lambda x: (
+            x
+            if isinstance(x.sharding, NamedSharding)
+            else jax.device_put(x, replicated)
+        ),
+        opt_state,
+    )
+    opt_shardings = jtu.tree_map(lambda x: x.sharding, opt_state)
     batch_sharding = NamedSharding(mesh, P(DATA, None))
-    step = make_step(policy, optimizer, shardings, fp8)
+    step = make_step(policy, optimizer, shardings, fp8, opt_shardings)
 
     first = put_batch(
         *next(batches(train_ids, 1, args.batch, args.block, 0)), batch_sharding
@@ -282,7 +304,9 @@ def train(name, policy, args, mesh, vocab, train_ids, val_ids, fp8=None):
 
     losses, times = [], []
     data = batches(train_ids, args.steps, args.batch, args.block, args.seed)
-    for inputs, targets in progress(data, args.steps, name):
+    if jax.process_index() == 0:  # one progress bar, not one per process
+        data = progress(data, args.steps, name)
+    for inputs, targets in data:
         start = time.perf_counter()
         params, opt_state, loss = step(
             params, opt_state, static, *put_batch(inputs, targets, batch_sharding)
@@ -312,6 +336,21 @@ def train(name, policy, args, mesh, vocab, train_ids, val_ids, fp8=None):
     }
 
 
+def initialize_distributed():
+    env = os.environ
+    if "JAX_PROCESS_ID" in env:
+        # Set by hand or by `python -m eqx_amp.tools.launch_local`: jax 0.10's
+        # `initialize()` reads the address from the environment, but not the process
+        # count or id.
+        jax.distributed.initialize(
+            env["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(env["JAX_NUM_PROCESSES"]),
+            process_id=int(env["JAX_PROCESS_ID"]),
+        )
+    else:
+        jax.distributed.initialize()  # SLURM, Open MPI, Cloud TPU: JAX finds them
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
@@ -338,7 +377,7 @@ def main(argv=None):
     if args.fp8 and (args.dtype, args.reduce_dtype) != ("bfloat16", "compute"):
         sys.exit("--fp8 runs with --dtype bfloat16 and --reduce-dtype compute.")
     if args.multi_host:
-        jax.distributed.initialize()
+        initialize_distributed()
 
     n_data, n_model = (int(n) for n in args.mesh.split("x"))
     devices = jax.devices()
@@ -367,29 +406,33 @@ def main(argv=None):
         runs["fp8"] = train(
             "fp8", policy, args, mesh, vocab, ids[:split], ids[split:], FP8
         )
-    print(
+    # Every process holds the same replicated losses; one prints them.
+    say = print if jax.process_index() == 0 else lambda *args: None
+    n = jax.process_count()
+    processes = f" in {n} processes" if n > 1 else ""
+    say(
         f"\n{len(devices)} x {devices[0].device_kind} as {n_data} data x {n_model} "
-        f"model; policy {policy}"
+        f"model{processes}; policy {policy}"
     )
-    print(
+    say(
         "| variant | final train loss | val loss | time/step | memory/device | shardings kept |"
     )
-    print("|---|---|---|---|---|---|")
+    say("|---|---|---|---|---|---|")
     for name, r in runs.items():
-        print(
+        say(
             f"| {name} | {r['train']:.4f} | {r['val']:.4f} | {r['step'] * 1e3:.1f} ms | "
             f"{fmt_bytes(r['memory'])} | {r['kept']} |"
         )
     fp32, amp = runs["fp32"], runs["amp"]
     if fp32["memory"] and amp["memory"]:
-        print(
+        say(
             f"amp/fp32: memory {amp['memory'] / fp32['memory']:.2f}x, "
             f"time {amp['step'] / fp32['step']:.2f}x, "
             f"val loss {amp['val'] - fp32['val']:+.4f}"
         )
     if "fp8" in runs:
         fp8 = runs["fp8"]
-        print(
+        say(
             f"fp8/amp: val loss {fp8['val'] / amp['val'] - 1:+.2%}, "
             f"train loss {fp8['train'] / amp['train'] - 1:+.2%}"
         )
