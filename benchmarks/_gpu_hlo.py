@@ -78,12 +78,15 @@ class Product:
     # A cuBLAS call asked for `Precision.HIGHEST`: an fp8 GEMM then accumulates
     # precisely (at DEFAULT, cuBLASLt's fast fp8 accumulation).
     precise: bool = False
+    # The dtype it writes: an fp8 GEMM that writes float32 leaves its scales to
+    # another kernel; one that takes them writes the compute dtype.
+    writes: str = ""
 
     @property
     def fp8(self) -> bool:
         """Whether it multiplies fp8 values: cuBLASLt's fp8 GEMM, a cuDNN
         convolution of fp8 operands, or a Triton dot of fp8 values."""
-        return self.kind in ("cublas-fp8", "cudnn-fp8") or (
+        return self.kind in ("cublas-fp8", "cudnn-fp8", "cudnn-mxfp8") or (
             self.kind == "triton" and all(t in FP8_TYPES for t in self.reads)
         )
 
@@ -229,10 +232,14 @@ def products(text: str) -> list[Product]:
             elif target.startswith("__cudnn$conv"):
                 fp8 = all(t in FP8_TYPES for t in reads)
                 kind = "cudnn-fp8" if fp8 else "cudnn"
+            elif target == BLOCK_SCALED_DOT:  # MXFP8 (Blackwell): e8m0 scales inside
+                kind = "cudnn-mxfp8"
             else:
                 continue
             precise = bool(_HIGHEST.search(inst.attributes))
-            found.append(Product(kind, target, reads, inst.op_name, precise))
+            found.append(
+                Product(kind, target, reads, inst.op_name, precise, inst.dtype)
+            )
         elif inst.op == "fusion":
             fusion_kind = _FUSION_KIND.search(inst.attributes)
             if fusion_kind is None or "gemm" not in fusion_kind.group(1):
@@ -277,7 +284,7 @@ def summary(found: list[Product]) -> dict[str, int]:
     for p in found:
         if p.kind == "cublas-fp8" and p.precise:
             counts["cublas-fp8 precise"] += 1
-        elif p.kind in ("cublas-fp8", "cudnn-fp8"):
+        elif p.kind in ("cublas-fp8", "cudnn-fp8", "cudnn-mxfp8"):
             counts[p.kind] += 1
         elif p.kind == "triton":
             counts[f"triton {' x '.join(p.reads)}"] += 1
@@ -359,6 +366,10 @@ class Device:
 H100_SXM = Device(
     "H100 SXM", {"fp8": 1979e12, "bf16": 989e12, "f32": 67e12}, bandwidth=3.35e12
 )
+# Dense peaks; fp8 (MXFP8 included) twice bf16; f32 by CUDA cores.
+B200 = Device("B200", {"fp8": 4500e12, "bf16": 2250e12, "f32": 80e12}, bandwidth=8e12)
+# cuDNN's block-scaled GEMM (`jax.nn.scaled_matmul`): `(B, M, K) x (B, N, K)`.
+BLOCK_SCALED_DOT = "__cudnn$blockScaledDot"
 # The kinds of kernel a roofline tells apart, besides GEMMs.
 NON_GEMM_KINDS = ("quantise", "amax", "epilogue", "layout", "other")
 # Ops that launch nothing (views, bookkeeping, control flow around kernels).
@@ -416,15 +427,19 @@ def _gemm_flops(module: _Module, inst: Instruction) -> float:
     """2 x output elements x contracted size of a cuBLAS GEMM (convolutions: 0, so
     they are timed by their bytes)."""
     contracting = _CONTRACTING.search(inst.attributes)
-    if not contracting or not inst.operands:
+    block_scaled = BLOCK_SCALED_DOT in inst.attributes
+    if not (contracting or block_scaled) or not inst.operands:
         return 0.0
     lhs = module.instructions.get(inst.operands[0])
     lhs_dims = _ARRAY.findall(lhs.type) if lhs else []
     if not lhs_dims:
         return 0.0
     sizes = [int(d) for d in lhs_dims[0][1].split(",") if d]
+    indices = (
+        [len(sizes) - 1] if block_scaled else re.findall(r"\d+", contracting.group(1))
+    )
     contracted = 1
-    for index in re.findall(r"\d+", contracting.group(1)):
+    for index in indices:
         contracted *= sizes[int(index)]
     (_, out_count), *_ = _arrays(inst.type)
     return 2.0 * out_count * contracted
@@ -446,7 +461,10 @@ def _kind(module: _Module, inst: Instruction) -> str:
         source = _source(module, operand)
         if source is not None and _TARGET.search(source.attributes or ""):
             target = _TARGET.search(source.attributes).group(1)
-            if target.endswith("$f8"):
+            # An fp8 GEMM that writes float32 leaves its rescale and convert to the
+            # kernel after it; one that takes its scales writes the product itself.
+            writes = [d for d, _ in _arrays(source.type) if d != "s8"]
+            if target.endswith("$f8") and writes[:1] == ["f32"]:
                 return "epilogue"
     inner = []
     called = _CALLS.search(inst.attributes)
@@ -501,7 +519,8 @@ def roofline(text: str, device: Device = H100_SXM) -> dict:
         memory_s = nbytes / (device.bandwidth * device.memory_efficiency)
         target = _TARGET.search(inst.attributes) if inst.op == "custom-call" else None
         target = target.group(1) if target else ""
-        if "cublas" in target or target.startswith("__cudnn$conv"):
+        block_scaled = target == BLOCK_SCALED_DOT
+        if "cublas" in target or target.startswith("__cudnn$conv") or block_scaled:
             reads = _operand_dtypes(module, inst, 1)
             dtype = (
                 "fp8"
@@ -510,7 +529,8 @@ def roofline(text: str, device: Device = H100_SXM) -> dict:
                 if reads and reads[0] in ("bf16", "f16")
                 else "f32"
             )
-            work = _gemm_flops(module, inst) if "cublas" in target else 0.0
+            gemm = "cublas" in target or block_scaled
+            work = _gemm_flops(module, inst) if gemm else 0.0
             flops[dtype] += work
             gemm_bytes += nbytes
             peak = device.peak_flops[dtype] * device.gemm_efficiency

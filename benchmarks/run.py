@@ -6,6 +6,7 @@ against float32, a hand-cast bfloat16 model and the peer libraries.
     python benchmarks/run.py --preset sharded        # collectives of FSDP/TP steps
     python benchmarks/run.py --preset state          # training-state bytes, update cost
     python benchmarks/run.py --preset h100-aot       # compiled for an H100, no GPU needed
+    python benchmarks/run.py --preset b200-aot       # MXFP8 steps compiled for a B200
     python benchmarks/run.py --models gpt --variants fp32,hand_bf16,filter_amp_bf16
     python benchmarks/run.py --json results.json --markdown table.md
 
@@ -531,7 +532,8 @@ def main(argv=None):
     )
     backend = jax.default_backend()
     parser.add_argument("--preset",
-                        choices=sorted(PRESETS) + ["sharded", "state", "h100-aot"],
+                        choices=sorted(PRESETS)
+                        + ["sharded", "state", "h100-aot", "b200-aot"],
                         default="gpu" if backend == "gpu" else "cpu",
                         help="`sharded`: benchmarks/sharded.py (collectives on 8 "
                         "devices), `h100-aot`: benchmarks/h100_aot.py (compiled "
@@ -566,10 +568,11 @@ def main(argv=None):
         if args.json:
             command += ["--json", str(args.json)]
         sys.exit(subprocess.run(command).returncode)
-    if args.preset == "h100-aot":
+    if args.preset in ("h100-aot", "b200-aot"):
         # The CUDA plugin must be told before JAX starts its backends that this
         # machine has no GPU, which this process has done.
-        command = [sys.executable, str(_HERE / "h100_aot.py"), "--models", args.models]
+        script = "h100_aot.py" if args.preset == "h100-aot" else "b200_aot.py"
+        command = [sys.executable, str(_HERE / script), "--models", args.models]
         if args.variants != "default":
             command += ["--variants", args.variants]
         for flag, path in (("--json", args.json), ("--markdown", args.markdown)):

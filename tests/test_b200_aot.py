@@ -1,0 +1,99 @@
+"""What XLA makes of eqx_amp's MXFP8 products on a B200 (cuDNN 9.10), compiled without
+one (benchmarks/b200_aot.py). Needs the CUDA plugin, not a GPU:
+`pip install "jax[cuda12]==<jax version>"`.
+
+- `eqx_amp.fp8.dot_general(..., scaling="mxfp8")` by hand, at sizes that are and
+  are not multiples of 32: the forward product and both backward products are
+  `__cudnn$blockScaledDot`;
+- the GPT and Llama-style training steps on every MXFP8 road (`autocast`,
+  `filter_amp(fp8=)`, `BiModel(fp8=)`): every product eqx_amp made an MXFP8 one is
+  `__cudnn$blockScaledDot`, one forward and two backward per matmul, and the
+  residuals saved for the backward pass are fewer bytes than hand-cast bfloat16's.
+"""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("jax_cuda12_plugin") is None,
+        reason='the CUDA plugin is not installed (pip install "jax[cuda12]==<jax>")',
+    ),
+]
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+MXFP8_ROADS = ("autocast_mxfp8", "filter_amp_mxfp8", "bimodel_mxfp8")
+
+# A fresh interpreter: the CUDA plugin must learn that there is no GPU before JAX
+# starts its backends, which pytest's process has done.
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = [sys.argv[1], sys.argv[1] + "/.."]
+    import b200_aot
+    sharding = b200_aot.b200_sharding()
+    import jax, jax.numpy as jnp
+    import eqx_amp
+    from h100_aot import compile_for_h100
+
+    def by_hand(m, k, n):
+        def step(x, w):
+            def loss(x, w):
+                y = eqx_amp.fp8.dot_general(
+                    x, w, (((1,), (0,)), ((), ())), scaling="mxfp8"
+                )
+                return jnp.sum(y.astype(jnp.float32) ** 2)
+            return jax.grad(loss, (0, 1))(x, w)
+        args = (jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, n), jnp.bfloat16))
+        compiled = compile_for_h100(step, *args, sharding=sharding, triton_gemm=False)
+        return b200_aot.block_scaled_check(compiled.as_text())
+
+    out = {"hand": [by_hand(*s) for s in [(256, 512, 384), (10, 64, 10)]]}
+    for model in ("gpt", "llama"):
+        out[model] = [
+            b200_aot.compile_variant(model, v, "tiny", sharding)
+            for v in ("hand_bf16", *sys.argv[2].split(","))
+        ]
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(BENCHMARKS), ",".join(MXFP8_ROADS)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])
+
+
+def test_dot_general_by_hand_is_cudnn_block_scaled(compiled):
+    for check in compiled["hand"]:
+        assert check["block_scaled_forward"] == 1
+        assert check["block_scaled_backward"] == 2
+        assert check["mxfp8_not_cudnn"] == []
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_every_road_is_cudnn_block_scaled(compiled, model):
+    hand, *roads = compiled[model]
+    assert hand["block_scaled_forward"] == 0
+    for row in roads:
+        forward = row["block_scaled_forward"]
+        assert forward > 0, row["variant"]
+        assert row["block_scaled_backward"] == 2 * forward, row["variant"]
+        assert row["mxfp8_not_cudnn"] == [], row["variant"]
+        assert row["saved"] < hand["saved"], row["variant"]
