@@ -333,6 +333,37 @@ def test_eight_bit_blocks_follow_the_last_axis():
     assert float(error) < 0.02
 
 
+def test_eight_bit_block_statistics_in_one_pass():
+    # One reduction finds each block's largest element (a NaN above every number,
+    # the first of equals), its signed value and the largest magnitude of the
+    # rest, for several moments at once: as an argmax and a max of the rest would.
+    from eqx_amp._optim._codec import block_statistics
+
+    rng = np.random.default_rng(0)
+    mu = rng.integers(-3, 4, (6, 512)).astype(np.float32)  # many ties
+    mu[0, 5], mu[0, 9], mu[1, 300] = np.nan, np.nan, np.inf
+    mu[2, :256] = -0.0
+    mu[3, 17] = -7.0
+    nu = (mu * mu)[::-1].copy()
+    together = block_statistics([(mu, False), (nu, True)], 256)
+    alone = [block_statistics([(x, r)], 256)[0] for x, r in ((mu, False), (nu, True))]
+    for a, b in zip(together, alone):
+        assert_bitwise_equal(a, b)
+    for stats, x in zip(together, (mu, np.sqrt(nu))):
+        blocks = x.reshape(6, 2, 256)
+        ranking = np.where(np.isnan(blocks), np.inf, np.abs(blocks))
+        index = np.argmax(ranking, axis=-1)
+        outlier = np.take_along_axis(blocks, index[..., None], -1)[..., 0]
+        rest = np.abs(blocks)
+        np.put_along_axis(rest, index[..., None], 0.0, -1)
+        np.testing.assert_array_equal(stats.index, index)
+        np.testing.assert_array_equal(stats.outlier, outlier + 0.0)  # -0.0 -> 0.0
+        np.testing.assert_array_equal(stats.second, np.max(rest, axis=-1))
+    assert int(together[0].index[3, 0]) == 17 and float(together[0].outlier[3, 0]) == -7
+    # A block of -0.0 keeps a +0.0 outlier, as a sum of it with zeros would.
+    assert not np.signbit(np.asarray(together[0].outlier[2, 0]))
+
+
 def test_low_precision_moments_bad_input():
     with pytest.raises(TypeError, match=r"`low_precision_moments` wraps an optax"):
         eqx_amp.optim.low_precision_moments(1e-3)  # type: ignore[arg-type]

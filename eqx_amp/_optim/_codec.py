@@ -4,6 +4,7 @@ stochastic rounding. `low_precision_moments` (in `_moments.py`) decides which pa
 of an optimizer state are moments and stores them with this codec."""
 
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 import equinox as eqx
@@ -112,34 +113,120 @@ class QuantizedMoment(eqx.Module):
         return jnp.where(jnp.isfinite(stored), jnp.minimum(squared, largest), squared)
 
 
+class BlockStatistics(eqx.Module):
+    """What encoding a moment in 8 bits needs to know of each block before it can
+    encode any element: where its largest element is, that element, and the
+    magnitude of the next largest (`block_statistics`)."""
+
+    index: Array  # int32, the position of the largest element within its block
+    outlier: Array  # float32, the largest element (signed; a NaN is the largest)
+    second: Array  # float32, the magnitude of the largest of the others
+
+
+def block_statistics(
+    moments: Sequence[tuple[Array, bool]], block_size: int
+) -> list[BlockStatistics]:
+    """The statistics of each block of each `(moment, square_root)` (as `encode`
+    stores it: its square root where `square_root`), all moments of one shape, in
+    one pass over them.
+
+    One reduction carries, per moment, the largest magnitude (a NaN counts as
+    largest; the first of equals wins), its position and signed value, and the
+    largest magnitude of the rest: two passes (an argmax, then a max of the rest)
+    each read the moment again, and XLA writes a moment that is read twice to
+    memory, in float32. The moments of one weight (Adam's `mu` and `nu`) go
+    together: XLA otherwise fuses the computation of one into the other's
+    reduction as a second output, written to memory for its own."""
+    operands, inits = [], []
+    for moment, square_root in moments:
+        blocks = _blocks(_stored(moment, square_root), block_size)
+        index = jax.lax.broadcasted_iota(jnp.int32, blocks.shape, blocks.ndim - 1)
+        # Each moment is one operand (its index and second are not made from it):
+        # XLA does not fuse an expensive producer (a square root) into a reduction
+        # that would read it more than once.
+        operands += [index, blocks, jnp.zeros_like(blocks)]
+        inits += [jnp.int32(block_size), jnp.float32(0.0), jnp.float32(0.0)]
+
+    def larger(a, b):
+        out = []
+        for i in range(0, len(a), 3):
+            (a_index, a_value, a_second), (b_index, b_value, b_second) = (
+                a[i : i + 3],
+                b[i : i + 3],
+            )
+            a_key, b_key = (
+                _ranking(a_index, a_value, block_size),
+                _ranking(b_index, b_value, block_size),
+            )
+            a_wins = (a_key > b_key) | ((a_key == b_key) & (a_index < b_index))
+            loser = jnp.abs(jnp.where(a_wins, b_value, a_value))
+            # `maximum` keeps a NaN, as `jnp.max` of the rest does.
+            second = jnp.maximum(jnp.maximum(a_second, b_second), loser)
+            out += [
+                jnp.where(a_wins, a_index, b_index),
+                jnp.where(a_wins, a_value, b_value),
+                second,
+            ]
+        return tuple(out)
+
+    axis = operands[0].ndim - 1
+    reduced = jax.lax.reduce(tuple(operands), tuple(inits), larger, (axis,))
+    found = []
+    for i in range(0, len(reduced), 3):
+        index, outlier, second = reduced[i : i + 3]
+        # A -0.0 largest element (a block of zeros) is stored as +0.0, as a sum
+        # of it with the block's zeros would give.
+        outlier = jnp.where(outlier == 0, 0.0, outlier)
+        found.append(BlockStatistics(index, outlier, second))
+    return found
+
+
+def _ranking(index: Array, value: Array, block_size: int) -> Array:
+    """What the largest element is chosen by: the magnitude, a NaN above every
+    number, and the reduction's starting point (index `block_size`) below all."""
+    magnitude = jnp.where(jnp.isnan(value), jnp.inf, jnp.abs(value))
+    return jnp.where(index == block_size, -1.0, magnitude)
+
+
+def _stored(moment: Array, square_root: bool) -> Array:
+    """What is encoded of `moment`: float32, its square root where `square_root`."""
+    x = moment.astype(jnp.float32)
+    if square_root:
+        # Non-negative in exact arithmetic; rounding may leave a -0.0 or a tiny
+        # negative, which must not become a NaN.
+        x = jnp.sqrt(jnp.maximum(x, 0.0))
+    return x
+
+
 def encode(
     moment: Array,
     storage: MomentStorage,
     square_root: bool,
     block_size: int,
     key: PRNGKeyArray,
+    statistics: BlockStatistics | None = None,
 ) -> QuantizedMoment:
-    """`moment` stored as `storage`, rounded stochastically."""
-    x = moment.astype(jnp.float32)
-    if square_root:
-        # Non-negative in exact arithmetic; rounding may leave a -0.0 or a tiny
-        # negative, which must not become a NaN.
-        x = jnp.sqrt(jnp.maximum(x, 0.0))
+    """`moment` stored as `storage`, rounded stochastically. For 8-bit storage,
+    `statistics` are its blocks' (`block_statistics`), computed here if `None`: a
+    caller that can compute them from a recomputation of `moment` saves XLA
+    writing the float32 moment to memory and reading it back."""
+    x = _stored(moment, square_root)
     if storage == "bfloat16":
         values = stochastic_round(x, jnp.bfloat16, key)
         return QuantizedMoment(values, None, None, square_root, block_size)
+    if statistics is None:
+        (statistics,) = block_statistics([(moment, square_root)], block_size)
     outlier_key, code_key = jax.random.split(key)
     blocks = _blocks(x, block_size)
     # The largest element (a NaN counts as largest) is kept aside, so that the
     # others are scaled by a finite value whenever they are finite.
-    magnitude = jnp.where(jnp.isnan(blocks), jnp.inf, jnp.abs(blocks))
-    is_outlier = _one_hot_argmax(magnitude)
-    outliers = jnp.sum(jnp.where(is_outlier, blocks, 0.0), axis=-1)
+    position = jax.lax.broadcasted_iota(jnp.int32, blocks.shape, blocks.ndim - 1)
+    is_outlier = position == statistics.index[..., None]
     rest = jnp.where(is_outlier, 0.0, blocks)
     # The top of the map that the rest may use: the outlier's code is the
     # unsigned map's top point.
     top = float((_UNSIGNED_TABLE if square_root else _SIGNED_TABLE)[OUTLIER_CODE - 1])
-    scales = _round_up_to_bfloat16(jnp.max(jnp.abs(rest), axis=-1) / top)
+    scales = _round_up_to_bfloat16(statistics.second / top)
     # Divided by the square root twice: XLA computes `x / s` as `x * (1 / s)`,
     # and for a scale above 2^126 the reciprocal is subnormal, which CPUs and GPUs
     # flush to zero (so would the block's codes be).
@@ -156,14 +243,8 @@ def encode(
     # value at the top of the rest could round up to it by a float32 ulp).
     codes = jnp.where(is_outlier, OUTLIER_CODE, jnp.minimum(codes, OUTLIER_CODE - 1))
     values = _unblock(codes.astype(jnp.uint8), moment.shape)
-    outliers = stochastic_round(outliers, jnp.bfloat16, outlier_key)
+    outliers = stochastic_round(statistics.outlier, jnp.bfloat16, outlier_key)
     return QuantizedMoment(values, scales, outliers, square_root, block_size)
-
-
-def _one_hot_argmax(x: Array) -> Array:
-    """Marks the first largest element of each row of `x` (along the last axis)."""
-    index = jnp.argmax(x, axis=-1, keepdims=True)
-    return jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == index
 
 
 def _round_up_to_bfloat16(x: Array) -> Array:
