@@ -302,8 +302,11 @@ ROADS = {
 }
 
 
-@pytest.mark.parametrize("road", sorted(ROADS))
-@pytest.mark.parametrize("vmap", ["jax.vmap", "eqx.filter_vmap inside"])
+@pytest.mark.parametrize(
+    "road, vmap",
+    [(road, "jax.vmap") for road in sorted(ROADS)]
+    + [("filter_amp", "eqx.filter_vmap inside")],
+)
 def test_every_road_runs_block_scaled(getkey, road, vmap):
     model = _model(getkey)
     x = jr.normal(getkey(), (32, 64))
