@@ -342,7 +342,8 @@ def dot_general(
     """
     if scaling not in _SCALINGS:
         raise ValueError(
-            f"`scaling` must be 'tensorwise', 'rowwise' or 'mxfp8', not {scaling!r}."
+            "`scaling` must be 'tensorwise' or 'rowwise', or 'mxfp8' for block "
+            f"scales, not {scaling!r}."
         )
     for name, operand in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(jnp.result_type(operand), jnp.floating):
