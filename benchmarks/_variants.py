@@ -213,6 +213,10 @@ autocast_fp8_rowwise = wrapped(
 )
 # The matmuls and convolutions that read the model's parameters, in fp8.
 filter_amp_fp8 = wrapped(ft.partial(eqx_amp.filter_amp, fp8=eqx_amp.fp8.TENSORWISE))
+# Those whose fp8 GEMMs pay for their quantisation (an H100 estimate from the shapes).
+filter_amp_fp8_paying = wrapped(
+    ft.partial(eqx_amp.filter_amp, fp8=eqx_amp.fp8.TENSORWISE.where_it_pays())
+)
 
 
 def bimodel(dtype: str, fp8=None):
@@ -440,6 +444,10 @@ VARIANTS: dict[str, Variant] = {
         ),
         Variant("filter_amp_fp8", "eqx_amp", "fp8", "none", filter_amp_fp8("bf16")),
         Variant(
+            "filter_amp_fp8_paying", "eqx_amp", "fp8", "none",
+            filter_amp_fp8_paying("bf16"),
+        ),
+        Variant(
             "bimodel_fp8", "eqx_amp", "fp8", "no-op",
             bimodel("bf16", fp8=eqx_amp.fp8.TENSORWISE),
         ),
@@ -460,7 +468,9 @@ VARIANTS: dict[str, Variant] = {
 
 # The fp8 roads beyond `autocast_fp8` run in `--variants all` and the H100 compile
 # (`--preset h100-aot`); a CPU has no fp8 GEMM to time them on.
-MORE_FP8 = ("autocast_fp8_rowwise", "filter_amp_fp8", "bimodel_fp8")
+MORE_FP8 = (
+    "autocast_fp8_rowwise", "filter_amp_fp8", "filter_amp_fp8_paying", "bimodel_fp8"
+)  # fmt: skip
 DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in MORE_FP8)
 EQX_AMP_ONLY = tuple(
     n

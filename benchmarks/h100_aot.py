@@ -115,6 +115,10 @@ def analyse(compiled) -> dict:
             for p in _gpu_hlo.not_fp8(found)
         ],
         "asked_for_fp8": sum(p.asked_for_fp8 for p in found),
+        # Scales applied after the GEMM by another kernel (rowwise ones must be).
+        "fp8_gemms_writing_f32": sum(
+            p.kind == "cublas-fp8" and p.writes == "f32" for p in found
+        ),
         **_gpu_hlo.kernels(text),
         "roofline": _gpu_hlo.roofline(text),
         "argument_bytes": memory.argument_size_in_bytes,

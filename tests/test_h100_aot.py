@@ -148,6 +148,10 @@ def test_an_fp8_matmul_and_both_its_backward_products_are_fp8_gemms(compiled, sc
     # tokens, precisely (`Precision.HIGHEST`).
     assert result["products"] == {"cublas-fp8": 1, "cublas-fp8 precise": 2}
     assert result["asked_for_fp8"] == 3 and result["not_fp8"] == []
+    # Every GEMM writes its still-scaled sums in bfloat16 (power-of-two scales make
+    # unscaling after rounding exact), not float32 for another kernel to rescale.
+    assert result["fp8_gemms_writing_f32"] == 0
+    assert result["roofline"]["non_gemm_bytes"]["epilogue"] == 0
 
 
 def test_an_fp8_convolution_is_fp8_forward_and_bfloat16_backward(compiled):
@@ -168,6 +172,7 @@ def test_every_fp8_product_of_a_training_step_is_an_fp8_kernel(compiled, model, 
     assert fp8 == result["asked_for_fp8"]
     if products.get("cublas-fp8"):  # forward GEMMs: their backward ones are precise
         assert products["cublas-fp8 precise"] >= products["cublas-fp8"]
+    assert result["fp8_gemms_writing_f32"] == 0  # bfloat16 sums, unscaled after
     if model == "cnn" and road == "autocast_fp8":
         assert fp8 == 0  # its rule names dot_general only; the CNN's head is too small
     else:
@@ -250,7 +255,10 @@ ROOFLINE_SCRIPT = textwrap.dedent(
     print("RESULT" + json.dumps(out))
     """
 )
-ROOFLINE_ROADS = ("filter_amp_bf16", "filter_amp_fp8", "autocast_fp8", "bimodel_fp8")
+ROOFLINE_ROADS = (
+    "filter_amp_bf16", "filter_amp_fp8", "autocast_fp8", "bimodel_fp8",
+    "filter_amp_fp8_paying",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -263,8 +271,9 @@ def roofline():
 # The roofline ratios to hand-cast bfloat16 (launches counted) as compiled today,
 # with 3% for XLA's changes: a step that moves more bytes or launches more kernels
 # than this is a regression. The goal is below 0.97 for every fp8 road (measured
-# on an H100: 1.21x, 1.51x and 1.23x before the roofline work).
-ROOFLINE_LIMITS = {"filter_amp_fp8": 1.19, "autocast_fp8": 1.19, "bimodel_fp8": 1.18}
+# on an H100: 1.21x, 1.51x and 1.23x before the roofline work; 1.16x by the roofline
+# while the forward GEMMs wrote float32, 1.03x since they write bfloat16).
+ROOFLINE_LIMITS = {"filter_amp_fp8": 1.06, "autocast_fp8": 1.06, "bimodel_fp8": 1.06}
 
 
 def test_a_bfloat16_road_has_the_hand_cast_roofline(roofline):
@@ -281,5 +290,19 @@ def test_fp8_roofline_does_not_regress(roofline, road):
     # Its GEMMs are fp8 and cost less than bfloat16's; what they cost around
     # them is quantisation, amaxes and rescaling epilogues.
     assert ours["gemm_flops"]["fp8"] > 0.8 * hand["gemm_flops"]["bf16"]
-    for kind in ("quantise", "amax", "epilogue"):
+    for kind in ("quantise", "amax"):
         assert ours["non_gemm_bytes"][kind] > hand["non_gemm_bytes"][kind]
+    # No GEMM writes float32 for another kernel to rescale.
+    assert ours["non_gemm_bytes"]["epilogue"] == 0
+
+
+def test_fp8_where_it_pays_is_not_slower_than_bfloat16(roofline):
+    """`TENSORWISE.where_it_pays()` leaves GPT-2-small's 768 x 768 projections in
+    bfloat16: the step is no slower than hand-cast's (0.993x with launches, 0.961x
+    without, as compiled today), where every product in fp8 is 1.03x."""
+    hand, ours = roofline["hand_bf16"], roofline["filter_amp_fp8_paying"]
+    assert ours["time_s_with_launches"] <= 1.00 * hand["time_s_with_launches"]
+    assert ours["time_s"] <= 0.97 * hand["time_s"]
+    assert (
+        0 < ours["gemm_flops"]["fp8"] < roofline["filter_amp_fp8"]["gemm_flops"]["fp8"]
+    )

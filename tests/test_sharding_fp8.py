@@ -397,6 +397,9 @@ def test_fp8_gather_edge_values(getkey, case):
         assert float(jnp.max(jnp.abs(got))) <= 2 * float(jnp.max(jnp.abs(w)))
 
 
+# Slow tier: `jax.checking_leaks` traces without caches and scans the heap; the four
+# roads took a quarter of the fast tier's time.
+@pytest.mark.slow
 @pytest.mark.parametrize("road", ["filter_amp", "autocast", "bimodel", "gather"])
 def test_fp8_roads_hold_no_tracer_past_the_trace(getkey, road):
     """What a road records of a weight's fp8 form (quantised once per call, or

@@ -158,6 +158,7 @@ class _JaxprCasts(Hook):
                 out_dtype=out_dtype,
                 only_eligible=True,
                 grad_dtype=self._reduce_dtype or self._compute_dtype,
+                pays_only=rule.pays_only,
             )
         ]
 

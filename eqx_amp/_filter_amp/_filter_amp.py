@@ -56,12 +56,18 @@ _PYTREE_SPEC_NEEDS_PYTREE = (
 
 @runtime_checkable
 class Fp8Pass(Protocol):
-    """What `filter_amp(..., fp8=...)` takes (`eqx_amp.fp8.TENSORWISE`, `ROWWISE`):
+    """What `filter_amp(..., fp8=...)` takes (`eqx_amp.fp8.TENSORWISE`, `ROWWISE`,
+    `MXFP8`):
     the object runs the call with the matmuls reading the selected parameters in
     fp8. The call reaches fp8 through it, so that this module does not import fp8."""
 
     def run_in_fp8(
-        self, fn: Callable, args: tuple, kwargs: dict, params: list[Any]
+        self,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        params: list[Any],
+        chosen: bool = False,
     ) -> Any: ...
 
 
@@ -117,7 +123,10 @@ class AmpWrapper(FunctionWrapper[_P, _T]):
                 params += _arrays_of_selected(copies[-1:], selected)  # the arguments
             if not params and self.fp8_filter is not None:
                 _warn_fp8_filter_selects_nothing(copies)
-            out = self.fp8.run_in_fp8(fn, cast_args, cast_kwargs, params)
+            # Modules an `fp8_filter` chose run in fp8 whatever the rule's cost
+            # estimate says (`where_it_pays`).
+            chosen = self.fp8_filter is not None
+            out = self.fp8.run_in_fp8(fn, cast_args, cast_kwargs, params, chosen)
         elif policy.reduce_dtype == policy.compute_dtype:
             out = call_checked(self, policy, fn, cast_args, cast_kwargs)
         else:
@@ -198,8 +207,9 @@ def _check_fp8_policy(policy: Policy) -> None:
 def check_fp8_options(fp8: Any, fp8_filter: Any) -> None:
     if fp8 is not None and not isinstance(fp8, Fp8Pass):
         raise TypeError(
-            "`fp8` must be `eqx_amp.fp8.TENSORWISE`, `eqx_amp.fp8.ROWWISE` or None, but got "
-            f"{fp8!r}."
+            "`fp8` must be `eqx_amp.fp8.TENSORWISE`, `eqx_amp.fp8.ROWWISE` or None "
+            "(or `eqx_amp.fp8.MXFP8`, or a variant such as "
+            f"`TENSORWISE.where_it_pays()`), but got {fp8!r}."
         )
     if fp8_filter is not None:
         if fp8 is None:
@@ -270,9 +280,9 @@ def filter_amp(
         `leaf -> bool`, or a pytree prefix of `(args, kwargs)` (`((False, True),
         {})` keeps the first positional argument, a diffusion model's time, in its
         dtype). `None` casts every floating argument. `eqx.nn.State` never is.
-    - `fp8`: `eqx_amp.fp8.TENSORWISE` or `ROWWISE` to run the matmuls reading the
-        parameters in fp8 (with a compute dtype of bfloat16 or wider); `None` for
-        none.
+    - `fp8`: `eqx_amp.fp8.TENSORWISE`, `ROWWISE` or `MXFP8` (or a variant such as
+        `TENSORWISE.where_it_pays()`) to run the matmuls reading the parameters in
+        fp8 (with a compute dtype of bfloat16 or wider); `None` for none.
     - `fp8_filter`: which modules' matmuls run in fp8, a callable `module -> bool`
         asked of the modules as `filter_amp` is given them; `None` means all.
 

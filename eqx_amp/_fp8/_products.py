@@ -138,10 +138,14 @@ def _fp8_forward(lhs, rhs, dims, scaling, out_dtype, known=(None, None)):
     known_lhs, known_rhs = known
     ql, sl = quantize(lhs, E4M3, l_axes) if known_lhs is None else known_lhs
     qr, sr = quantize(rhs, E4M3, r_axes) if known_rhs is None else known_rhs
-    out = _fp8_product(ql, qr, dims)
+    # The GEMM writes the compute dtype where it has the range of the still-scaled
+    # sums (bfloat16: half the bytes of float32 for the GEMM and the kernel that
+    # reads its output). The scales are powers of two, so unscaling after rounding
+    # gives the numbers unscaling before it would.
+    out = _fp8_product(ql, qr, dims, product_dtype(out_dtype))
     lhs_map, rhs_map = _output_axes(dims, lhs.ndim, rhs.ndim)
     out = unscale(
-        out,
+        out.astype(jnp.float32),
         _laid_out(1.0 / sl, lhs_map, out.ndim),
         _laid_out(1.0 / sr, rhs_map, out.ndim),
     )

@@ -55,9 +55,18 @@ class Fp8Rule:
     inside the GEMM: cuDNN's on Blackwell), those whose contracting size is a
     multiple of 32; its convolutions are tensorwise fp8 ones."""
 
-    def __init__(self, name: str, scaling: str, activation_products: bool = False):
+    def __init__(
+        self,
+        name: str,
+        scaling: str,
+        activation_products: bool = False,
+        where_it_pays: bool = False,
+    ):
         self.name = name
         self.scaling = scaling
+        # Only products whose fp8 GEMMs save more than their quantisation costs
+        # (`fp8_cost_reason`), unless an `fp8_filter` chose the modules.
+        self.pays_only = where_it_pays
         # What an fp8 GEMM needs every dimension (an MXFP8 one: the contracting
         # one) to be a multiple of.
         self.multiple = BLOCK if scaling == "mxfp8" else FP8_MULTIPLE
@@ -78,7 +87,27 @@ class Fp8Rule:
         forward = eqx_amp.autocast(model, rules={jax.lax.dot_general_p: rule})
         ```
         """
-        return Fp8Rule(self.name, self.scaling, activation_products=True)
+        return Fp8Rule(self.name, self.scaling, True, self.pays_only)
+
+    def where_it_pays(self) -> "Fp8Rule":
+        """This rule for the products whose fp8 GEMMs save more time than their
+        quantisation costs (an H100 roofline estimate from the shapes: the fp8
+        guide gives it); the others stay in the compute dtype, and
+        `precision_report(...).fp8_skipped` gives both figures. An `fp8_filter`
+        given to `filter_amp` or `BiModel` still decides on its own: the modules it
+        selects run in fp8 whatever they cost.
+
+        ```python
+        model = eqx_amp.filter_amp(model, fp8=eqx_amp.fp8.TENSORWISE.where_it_pays())
+        ```
+        """
+        if self.scaling not in ("tensorwise", "rowwise"):
+            raise TypeError(
+                f"`where_it_pays` estimates what an H100's fp8 GEMMs save against "
+                f"their quantisation passes, for tensorwise and rowwise scales; "
+                f"{self.name}'s block scales are not modelled."
+            )
+        return Fp8Rule(self.name, self.scaling, self.activation_products, True)
 
     def __call__(self, *args, **kwargs):
         raise TypeError(
@@ -87,29 +116,44 @@ class Fp8Rule:
         )
 
     def run_in_fp8(
-        self, fn: Callable, args: tuple, kwargs: dict, params: list[Any]
+        self,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        params: list[Any],
+        chosen: bool = False,
     ) -> Any:
         """`fn(*args, **kwargs)` with each matmul that reads one of `params` run as
-        an fp8 matmul where its shapes allow one, each weight quantised once for
-        all of them (`filter_amp(..., fp8=...)`, which reaches fp8 through this
-        method rather than importing it)."""
-        prepare = ft.partial(quantize_weights_once, self.quantizes_once, None)
+        an fp8 matmul where its shapes allow one (and, for a `where_it_pays()`
+        rule, its cost, unless the user `chosen` the modules), each weight
+        quantised once for all of them (`filter_amp(..., fp8=...)`, which reaches
+        fp8 through this method rather than importing it)."""
+        pays_only = self.pays_only and not chosen
+        in_fp8 = ft.partial(self.quantizes_once, pays_only=pays_only)
+        prepare = ft.partial(quantize_weights_once, in_fp8, None)
         with holding_fp8_values():
             return evaluate_function(
                 _call,
                 (fn, args, kwargs),
-                Fp8ParamsHook(self.scaling),
+                Fp8ParamsHook(self.scaling, pays_only),
                 param_arrays=params,
                 prepare=prepare,
             )
 
-    def quantizes_once(self, eqn: Any) -> bool:
+    def quantizes_once(self, eqn: Any, pays_only: bool | None = None) -> bool:
         """Whether the product `eqn` reads weights quantised once per call
         (`quantize_weights_once`): its scales are whole-tensor ones
-        (convolutions are always tensorwise)."""
-        return (
-            self.scaling == "tensorwise" or eqn.primitive is lax.conv_general_dilated_p
-        )
+        (convolutions are always tensorwise), and it runs in fp8 (for a
+        `where_it_pays()` rule, or `pays_only`: its shapes pay for it)."""
+        if eqn.primitive is lax.conv_general_dilated_p:
+            return True
+        if self.scaling != "tensorwise":
+            return False
+        if self.pays_only if pays_only is None else pays_only:
+            lhs, rhs = (v.aval.shape for v in eqn.invars)
+            dims = eqn.params["dimension_numbers"]
+            return fp8_cost_reason(lhs, rhs, dims) is None
+        return True
 
     # `gather_params(..., fp8=...)` quantises weight shards through these methods
     # (tensorwise: one scale per weight, from the amax of all its shards).
@@ -150,20 +194,21 @@ class Fp8Rule:
 
     def __repr__(self) -> str:
         suffix = ".with_activation_products()" if self.activation_products else ""
+        suffix += ".where_it_pays()" if self.pays_only else ""
         return f"eqx_amp.fp8.{self.name}{suffix}"
 
+    def _key(self) -> tuple:
+        return (self.name, self.scaling, self.activation_products, self.pays_only)
+
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Fp8Rule) and (
-            (self.name, self.scaling, self.activation_products)
-            == (other.name, other.scaling, other.activation_products)
-        )
+        return isinstance(other, Fp8Rule) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((self.name, self.scaling, self.activation_products))
+        return hash(self._key())
 
     def __reduce__(self):
-        if self.activation_products:
-            return _with_activation_products, (self.name,)
+        if self.activation_products or self.pays_only:
+            return _variant, (self.name, self.activation_products, self.pays_only)
         return self.name
 
 
@@ -172,10 +217,12 @@ ROWWISE = Fp8Rule("ROWWISE", "rowwise")
 MXFP8 = Fp8Rule("MXFP8", "mxfp8")
 
 
-def _with_activation_products(name: str) -> Fp8Rule:
-    """The rule `name` with its activation products (how such a rule unpickles)."""
+def _variant(name: str, activation_products: bool, pays_only: bool) -> Fp8Rule:
+    """The rule `name` with its options (how such a rule unpickles)."""
     rules = {"TENSORWISE": TENSORWISE, "ROWWISE": ROWWISE, "MXFP8": MXFP8}
-    return rules[name].with_activation_products()
+    rule = rules[name]
+    rule = rule.with_activation_products() if activation_products else rule
+    return rule.where_it_pays() if pays_only else rule
 
 
 def conv_in_fp8(lhs, rhs, params: dict, out_dtype, only_eligible: bool) -> Array:
@@ -219,9 +266,10 @@ class _Fp8Dots(Hook):
     """Binds every `dot_general` and convolution of a program as an fp8 one (where
     its shapes allow, if `only_eligible`)."""
 
-    def __init__(self, scaling, out_dtype, only_eligible, grad_dtype):
+    def __init__(self, scaling, out_dtype, only_eligible, grad_dtype, pays_only):
         self.scaling, self.out_dtype = scaling, out_dtype
         self.only_eligible, self.grad_dtype = only_eligible, grad_dtype
+        self.pays_only = pays_only
 
     def equation(self, eqn, invals, origins, frame, evaluate):
         if eqn.primitive in FP8_PRIMITIVES:
@@ -233,6 +281,7 @@ class _Fp8Dots(Hook):
                     out_dtype=self.out_dtype,
                     only_eligible=self.only_eligible,
                     grad_dtype=self.grad_dtype,
+                    pays_only=self.pays_only,
                 )
             ]
         return evaluate(invals)
@@ -243,18 +292,36 @@ FP8_PRIMITIVES = frozenset({lax.dot_general_p, lax.conv_general_dilated_p})
 
 
 def product_in_fp8(
-    eqn, lhs, rhs, scaling, out_dtype, only_eligible, grad_dtype=jnp.float32
+    eqn,
+    lhs,
+    rhs,
+    scaling,
+    out_dtype,
+    only_eligible,
+    grad_dtype=jnp.float32,
+    pays_only: bool = False,
 ) -> Array:
     """`eqn` (a `dot_general` or a convolution) on `lhs`, `rhs` in fp8; convolutions
-    are scaled tensorwise. Matmuls' backward products emit `grad_dtype`."""
+    are scaled tensorwise. Matmuls' backward products emit `grad_dtype`; with
+    `pays_only`, a matmul whose fp8 GEMMs save less than its quantisation costs
+    (`fp8_cost_reason`) stays in `out_dtype`."""
     if eqn.primitive is lax.conv_general_dilated_p:
         return conv_in_fp8(lhs, rhs, eqn.params, out_dtype, only_eligible)
     dims = eqn.params["dimension_numbers"]
-    return matmul_in_fp8(lhs, rhs, dims, scaling, out_dtype, only_eligible, grad_dtype)
+    return matmul_in_fp8(
+        lhs, rhs, dims, scaling, out_dtype, only_eligible, grad_dtype, pays_only
+    )
 
 
 def matmul_in_fp8(
-    lhs, rhs, dims, scaling, out_dtype, only_eligible: bool, grad_dtype=jnp.float32
+    lhs,
+    rhs,
+    dims,
+    scaling,
+    out_dtype,
+    only_eligible: bool,
+    grad_dtype=jnp.float32,
+    pays_only: bool = False,
 ) -> Array:
     """An fp8 matmul; with `only_eligible`, shapes an fp8 GEMM cannot take run in
     `out_dtype` instead, under a named scope that gives the reason. Under
@@ -267,10 +334,18 @@ def matmul_in_fp8(
     if compat.is_batched(lhs) or compat.is_batched(rhs):
         params = {"dimension_numbers": dims}
         return _batched_as_one(
-            lax.dot_general_p, params, scaling, out_dtype, only_eligible, grad_dtype
+            lax.dot_general_p,
+            params,
+            scaling,
+            out_dtype,
+            only_eligible,
+            grad_dtype,
+            pays_only,
         )(lhs, rhs)
     eligible = mxfp8_eligible if scaling == "mxfp8" else fp8_eligible
     reason = eligible(lhs.shape, rhs.shape, dims) if only_eligible else None
+    if reason is None and only_eligible and pays_only:
+        reason = fp8_cost_reason(lhs.shape, rhs.shape, dims)
     if reason is not None or min(lhs.shape + rhs.shape, default=1) == 0:
         with jax.named_scope(f"{FP8_SKIPPED_SCOPE}: {reason or 'an empty product'}"):
             return lax.dot_general(lhs.astype(out_dtype), rhs.astype(out_dtype), dims)
@@ -366,7 +441,13 @@ def dot_general(
 
 
 def _batched_as_one(
-    primitive, params, scaling, out_dtype, only_eligible, grad_dtype=jnp.float32
+    primitive,
+    params,
+    scaling,
+    out_dtype,
+    only_eligible,
+    grad_dtype=jnp.float32,
+    pays_only: bool = False,
 ):
     """Under `jax.vmap`, the batched product is one fp8 product: its scales cover
     the whole batch."""
@@ -381,10 +462,10 @@ def _batched_as_one(
             return conv_in_fp8(lhs, rhs, params, out_dtype, only_eligible)
         dims = params["dimension_numbers"]
         return matmul_in_fp8(
-            lhs, rhs, dims, scaling, out_dtype, only_eligible, grad_dtype
+            lhs, rhs, dims, scaling, out_dtype, only_eligible, grad_dtype, pays_only
         )
 
-    hook = _Fp8Dots(scaling, out_dtype, only_eligible, grad_dtype)
+    hook = _Fp8Dots(scaling, out_dtype, only_eligible, grad_dtype, pays_only)
     return batched_like(plain, op, hook)
 
 
@@ -413,6 +494,44 @@ def fp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:
     return None
 
 
+# The H100 SXM roofline of the benchmarks (`benchmarks/_gpu_hlo.py`): GEMMs at 70%
+# of the dense peak, other kernels at 80% of the memory bandwidth, 3 us a launch.
+_H100_BF16_FLOPS = 0.7 * 989e12
+_H100_FP8_FLOPS = 0.7 * 1979e12
+_H100_BYTES_PER_S = 0.8 * 3.35e12
+_LAUNCH_S = 3e-6
+
+
+def fp8_cost_reason(lhs_shape, rhs_shape, dims) -> str | None:
+    """Why a matmul of these shapes should stay out of fp8 (its fp8 GEMMs would
+    save less time than quantising costs, on an H100's roofline), or `None`.
+
+    Saved: the forward product and the two backward ones, each 2·B·M·N·K FLOPs,
+    at fp8's rate instead of bfloat16's. Cost: an amax pass (2 bytes read a value)
+    and a quantise pass (2 read, 1 written) over each operand and over the output
+    gradient, and those 6 kernels' launches. An operand shared by several products
+    (a weight quantised once per call, the input of q, k and v) is counted for
+    each, so the estimate errs towards bfloat16."""
+    (lc, rc), (lb, rb) = dims
+
+    def size(shape, axes):
+        return int(np.prod([shape[i] for i in axes], dtype=np.int64))
+
+    batch, contracting = size(lhs_shape, lb), size(lhs_shape, lc)
+    m = size(lhs_shape, free_axes(len(lhs_shape), lc, lb))
+    n = size(rhs_shape, free_axes(len(rhs_shape), rc, rb))
+    flops = 2.0 * batch * m * n * contracting
+    saved = 3 * flops * (1 / _H100_BF16_FLOPS - 1 / _H100_FP8_FLOPS)
+    quantised = batch * (m * contracting + n * contracting + m * n)
+    cost = 5 * quantised / _H100_BYTES_PER_S + 6 * _LAUNCH_S
+    if saved > cost:
+        return None
+    return (
+        f"too small to gain: its fp8 GEMMs would save {saved * 1e6:.3g} us on an "
+        f"H100, quantising costs {cost * 1e6:.3g} us (`where_it_pays`)"
+    )
+
+
 def mxfp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:
     """Why a matmul of these shapes cannot run as an MXFP8 GEMM, or `None` if it
     can: its contracting size must be a multiple of the block size, 32 (the
@@ -432,8 +551,9 @@ class Fp8ParamsHook(Hook):
     (an array of the modules the fp8 filter selected) runs as an fp8 matmul where
     its shapes allow one (`filter_amp(..., fp8=eqx_amp.fp8.TENSORWISE)`)."""
 
-    def __init__(self, scaling: str):
+    def __init__(self, scaling: str, pays_only: bool = False):
         self.scaling = scaling
+        self.pays_only = pays_only
 
     def equation(self, eqn, invals, origins, frame, evaluate):
         reads_params = any(
@@ -453,6 +573,7 @@ class Fp8ParamsHook(Hook):
                     # The weight gradients are summed (and GSPMD reduces them) in
                     # the compute dtype, as the policy's reduce dtype is.
                     grad_dtype=out_dtype,
+                    pays_only=self.pays_only,
                 )
             ]
         return evaluate(invals)

@@ -1,5 +1,12 @@
-"""fp8 scales: from a tensor's finite absolute maximum, bounded so that neither a
-scale nor its inverse leaves float32's normal range."""
+"""fp8 scales: powers of two from a tensor's finite absolute maximum, bounded so
+that neither a scale nor its inverse leaves float32's normal range.
+
+Powers of two, because then scaling is exact: an fp8 GEMM can write its still-scaled
+sums in bfloat16 and have them unscaled after, with the numbers one rounding of the
+float32 sums would give (half the bytes of a float32 output, for the GEMM and for the
+kernel that reads it). It costs at most one binade of fp8's range at its low end (the
+amax lands in (largest / 2, largest]), as in torchao's rowwise recipe and MXFP8.
+"""
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,13 +32,18 @@ def finite_amax(x: Array, axes: tuple[int, ...]) -> Array:
 
 
 def scale_from_amax(amax: Array, dtype: np.dtype) -> Array:
-    """float32 scale mapping `amax` to the largest finite value of `dtype`, at most
-    `MAX_SCALE` (an all-zero or tiny slice). inf and NaN elements do not set it:
-    they stay non-finite through the product, as they would in float32."""
+    """float32 power-of-two scale mapping `amax` into `dtype`'s top binade (the
+    largest power of two at most `largest / amax`), at most `MAX_SCALE` (an
+    all-zero or tiny slice). inf and NaN elements do not set it: they stay
+    non-finite through the product, as they would in float32."""
     largest = float(jnp.finfo(dtype).max)
     # Dividing by at least `largest / MAX_SCALE` cannot overflow: no inf scale,
-    # whose `0 * inf` would make the whole product NaN.
-    return largest / jnp.maximum(amax, largest / MAX_SCALE)
+    # whose `0 * inf` would make the whole product NaN. The quotient is a positive
+    # normal float32, so clearing its mantissa bits rounds it down to a power of two
+    # exactly (a logarithm could round up, past `largest`).
+    ratio = largest / jnp.maximum(amax.astype(jnp.float32), largest / MAX_SCALE)
+    bits = lax.bitcast_convert_type(ratio, jnp.uint32) & jnp.uint32(0xFF800000)
+    return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def quantize_with(x: Array, scale: Array, dtype: np.dtype) -> Array:
