@@ -127,6 +127,7 @@ def test_fp8_training_tracks_bfloat16_and_the_ablation_does_not():
     for task in ("digits CNN", "char transformer"):
         bf16, fp8 = rows[(task, "bf16")], rows[(task, "fp8")]
         assert abs(fp8 - bf16) < 0.05 * bf16
+        assert abs(rows[(task, "mxfp8")] - bf16) < 0.05 * bf16
         assert rows[(task, "fp8, no scaling")] > 1.2 * bf16
 
 
