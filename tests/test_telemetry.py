@@ -154,7 +154,8 @@ def test_fp8_records_the_scale_and_the_unscaled_amax():
     weight = _row(tel, "model", "weight", "float8_e4m3fn")
     amax = jnp.max(jnp.abs(model.weight.astype(jnp.float16).astype(jnp.float32)))
     np.testing.assert_allclose(weight.amax, amax, rtol=1e-6)
-    np.testing.assert_allclose(weight.scale, 448.0 / amax, rtol=1e-6)
+    # The largest power of two that maps the amax into e4m3's range.
+    np.testing.assert_allclose(weight.scale, 2.0 ** np.floor(np.log2(448.0 / amax)))
     grad = _row(tel, "model", "output gradient", "float8_e5m2")
     assert grad.scale is not None and float(grad.overflow) == 0.0
 

@@ -184,8 +184,17 @@ class Fp8Rule:
         return _quantize_weight(shard, scale), scale
 
     def dequantize(self, quantized: Array, scale: Array, dtype: Any) -> Array:
-        """A gathered fp8 weight in `dtype`, for the ops that read it as it is."""
-        return (quantized.astype(jnp.float32) * (1.0 / scale)).astype(dtype)
+        """A gathered fp8 weight in `dtype`, for the ops that read it as it is,
+        saturated at `dtype`'s largest finite value: with a power-of-two scale an
+        fp8 value can round above the weight's amax, which near the largest
+        value of `dtype` would make it inf."""
+        fp8 = quantized.astype(jnp.float32)
+        # A finite fp8 value times its inverse scale can pass float32's largest
+        # value too (a weight's amax within 1/8 of it): saturate that, not NaN/inf.
+        values = fp8 * (1.0 / scale)
+        largest = float(jnp.finfo(dtype).max)
+        clipped = jnp.clip(values, -largest, largest)
+        return jnp.where(jnp.isfinite(fp8), clipped, values).astype(dtype)
 
     def remember(self, weight: Array, quantized: Array, scale: Array) -> Array:
         """Marks `weight` as held in fp8 as `quantized` with `scale`: the fp8
