@@ -100,9 +100,11 @@ SHAPES = {
 }
 
 
-def build_model(shape: LlamaShape, key):
-    """The Llama-shaped model (its blocks stacked), built by the caller under
-    `eqx.filter_eval_shape` for shapes only."""
+def build_model(shape: LlamaShape, key, batch_sharding=None):
+    """The Llama-shaped model (its blocks stacked), called on a batch of token
+    sequences; built by the caller under `eqx.filter_eval_shape` for shapes only.
+    `batch_sharding` (a `NamedSharding` splitting the batch): the residual stream's
+    sharding between blocks."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -159,7 +161,12 @@ def build_model(shape: LlamaShape, key):
             return x + jax.vmap(self.down)(swiglu)
 
     def run_block(block, x):
-        return block(x)
+        return jax.vmap(block)(x)
+
+    def _split_batch(x):
+        if batch_sharding is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, batch_sharding)
 
     class Llama(eqx.Module):
         embed: eqx.nn.Embedding
@@ -175,15 +182,21 @@ def build_model(shape: LlamaShape, key):
             self.head = eqx.nn.Linear(shape.width, shape.vocab, use_bias=False, key=k3)
 
         def __call__(self, tokens):
-            x = jax.vmap(self.embed)(tokens)
+            # A batch of sequences: the scan runs over the batch's residual stream,
+            # kept split along the batch between blocks. Without that constraint
+            # XLA's partitioner follows the weights' split (along their features)
+            # and all-gathers the whole batch's activations at every product,
+            # 4x the bytes of gathering the weights.
+            x = jax.vmap(jax.vmap(self.embed))(tokens)
             dynamic, static = eqx.partition(self.blocks, eqx.is_array)
 
             def body(x, layer):
                 block = eqx.combine(layer, static)
-                return eqx.filter_checkpoint(run_block)(block, x), None
+                x = eqx.filter_checkpoint(run_block)(block, x)
+                return _split_batch(x), None
 
-            x, _ = jax.lax.scan(body, x, dynamic)
-            return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+            x, _ = jax.lax.scan(body, _split_batch(x), dynamic)
+            return jax.vmap(jax.vmap(self.head))(jax.vmap(jax.vmap(self.norm))(x))
 
     del jnp
     return Llama(key)
@@ -215,7 +228,7 @@ def make_step(state_kind: str, products: str):
         return eqx.filter(model, eqx.is_inexact_array)
 
     def forward(model, policy):
-        return eqx_amp.filter_amp(eqx.filter_vmap(model), policy=policy, fp8=fp8)
+        return eqx_amp.filter_amp(model, policy=policy, fp8=fp8)
 
     if state_kind == "amp_f32_master":
 
@@ -349,7 +362,10 @@ def compile_step(shape: LlamaShape, state_kind: str, products: str, devices):
     n = len(devices)
     mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
     with jax.numpy_dtype_promotion("standard"):
-        state = eqx.filter_eval_shape(lambda: start(build_model(shape, jr.key(0))))
+        split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+        state = eqx.filter_eval_shape(
+            lambda: start(build_model(shape, jr.key(0), split))
+        )
         dynamic, static = eqx.partition(state, _is_shaped)
 
         def flat_step(dynamic, tokens, labels):
@@ -425,7 +441,8 @@ def _is_floating(x) -> bool:
 
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
-_WHILE = re.compile(r"=\s*\S+\s+while\(.*body=%([\w.\-]+)")
+# A loop: `%while.41 = (<its type>) while(%tuple), condition=%c, body=%b, ...`.
+_WHILE = re.compile(r"\swhile\(.*?\bbody=%([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLED = re.compile(
     r"(?:calls|to_apply|body|condition|true_computation|false_computation)"
@@ -434,9 +451,12 @@ _CALLED = re.compile(
 
 
 def collectives_per_step(text: str) -> dict[str, int]:
-    """`_gpu_hlo.collectives` of each computation of the program, times the number
-    of times it runs per step: a loop's body (a scan over the blocks) as many times
-    as its known trip count, and what it calls as often as it runs."""
+    """Bytes each device receives from the collectives of a compiled program, by
+    kind and dtype (`"all-gather bf16"`), and how many run (`"all-gather count"`),
+    per step: a loop's body (the scan over the blocks) counted as many times as its
+    known trip count, what it calls as often as it runs. The results of each
+    collective are counted (an async start holds its operands too, which
+    `_gpu_hlo.collectives` counts for a reduce-scatter: its whole input)."""
     import _gpu_hlo
 
     computations: dict[str, list[str]] = {}
@@ -470,9 +490,52 @@ def collectives_per_step(text: str) -> dict[str, int]:
         todo.extend((c, times * t) for c, t in calls[name])
     found = collections.Counter()
     for name, times in runs.items():
-        for key, value in _gpu_hlo.collectives("\n".join(computations[name])).items():
-            found[key] += value * times
+        body = "\n".join(computations[name])
+        for inst in _gpu_hlo.parse(body).values():
+            kind = inst.op.removesuffix("-start")
+            if kind not in _COLLECTIVES or inst.op.endswith("-done"):
+                continue
+            found[f"{kind} count"] += times
+            for dtype, nbytes in _results(inst.op, inst.type):
+                found[f"{kind} {dtype}"] += nbytes * times
     return dict(sorted(found.items()))
+
+
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+
+
+def _results(op: str, type_: str) -> list[tuple[str, int]]:
+    """(dtype, bytes) of each result of a collective: an async start's type is
+    `((operands), results)` or `(operand, result)`; a synchronous one's its
+    results."""
+    if op.endswith("-start") and type_.startswith("(("):
+        depth = 0
+        for i, char in enumerate(type_):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 1 and char == ")":
+                type_ = type_[i + 1 :]
+                break
+    arrays = [
+        (dtype, math.prod(int(d) for d in dims.split(",") if d))
+        for dtype, dims in _ARRAY.findall(type_)
+    ]
+    if (
+        op.endswith("-start")
+        and not type_.startswith("((")
+        and op != "all-reduce-start"
+    ):
+        arrays = arrays[len(arrays) // 2 :]
+    return [(dtype, n * _itemsize(dtype)) for dtype, n in arrays]
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype.startswith("f8"):
+        return 1
+    if dtype == "pred":
+        return 1
+    digits = re.search(r"(\d+)$", dtype)
+    return int(digits.group(1)) // 8 if digits else 0
 
 
 def _collective_text(c: dict) -> str:
