@@ -589,3 +589,15 @@ def test_skipping_keeps_the_compiled_step_small(getkey):
 def test_all_finite_names_an_unhashable_axis_name():
     with pytest.raises(TypeError, match=r"`axis_name` must be the \(hashable\) name"):
         eqx_amp.all_finite(jnp.ones(2), axis_name=["data"])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32])
+def test_numpy_scalars_of_every_real_dtype_are_numbers(dtype):
+    # bfloat16's NumPy scalar (ml_dtypes) is no `np.floating`: it was refused as a
+    # factor while float16's was taken.
+    two = np.array(2, dtype).item() if dtype is jnp.int32 else np.asarray(2, dtype)[()]
+    scale = eqx_amp.DynamicLossScale(two, factor=two)
+    assert scale.factor == 2 and float(scale.loss_scale) == 2.0
+    assert float(eqx_amp.StaticLossScale(two).loss_scale) == 2.0
+    with pytest.raises(TypeError, match="`factor` must be a Python int or float"):
+        eqx_amp.DynamicLossScale(two, factor=np.bool_(True))

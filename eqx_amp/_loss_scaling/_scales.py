@@ -68,10 +68,15 @@ def _scalar_array(value: Any, dtype: Any, argname: str) -> Array:
 
 def _is_real_number(value: Any) -> bool:
     # A predicate of its own: inline, the `isinstance` narrowing of `value` would
-    # leak into the array checks of `_scalar_array`.
-    return isinstance(value, (numbers.Real, np.integer, np.floating)) and not (
-        isinstance(value, (bool, np.bool_))
-    )
+    # leak into the array checks of `_scalar_array`. NumPy scalars are told apart by
+    # dtype: bfloat16's (from ml_dtypes) is no `np.floating`.
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, np.generic):
+        return jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(
+            value.dtype, jnp.floating
+        )
+    return isinstance(value, numbers.Real)
 
 
 _FLOAT32 = np.finfo(np.float32)
@@ -126,9 +131,7 @@ _MAX_PERIOD = 2**31 - 1
 
 
 def _as_factor(factor: Any) -> int | float:
-    if isinstance(factor, (bool, np.bool_)) or not isinstance(
-        factor, (numbers.Real, np.integer, np.floating)
-    ):
+    if not _is_real_number(factor):
         raise TypeError(
             f"`factor` must be a Python int or float (it is static configuration, "
             f"part of the pytree structure), but got {describe(factor)}."
