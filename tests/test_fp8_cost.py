@@ -11,7 +11,7 @@ import jax.random as jr
 import pytest
 
 import eqx_amp
-from eqx_amp._fp8._rules import fp8_cost_reason
+from eqx_amp._fp8._shapes import fp8_cost_reason
 
 from .helpers import walk_eqns
 

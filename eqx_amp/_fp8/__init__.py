@@ -18,10 +18,12 @@ applied inside the GEMM (`_block_scaled`).
 
 The layers: `_scaling` (scales from amaxes), `_products` (the fp8 matmul and
 convolution with their derivative rules), `_block_scaled` (the MXFP8 matmul and its
-derivative rule), `_rules` (where products run in fp8).
+derivative rule), `_shapes` (which shapes an fp8 kernel takes, and which pay),
+`_rules` (where products run in fp8), `_dot_general` (one fp8 product, by hand).
 """
 
 from ._block_scaled import block_scaled_flops as block_scaled_flops
+from ._dot_general import dot_general as dot_general
 from ._products import FP8_SCOPE as FP8_SCOPE
 from ._products import FP8_SKIPPED_SCOPE as FP8_SKIPPED_SCOPE
 from ._products import holding_fp8_values as holding_fp8_values
@@ -32,7 +34,6 @@ from ._rules import MXFP8 as MXFP8
 from ._rules import ROWWISE as ROWWISE
 from ._rules import TENSORWISE as TENSORWISE
 from ._rules import Fp8Rule as Fp8Rule
-from ._rules import dot_general as dot_general
 from ._rules import product_in_fp8 as product_in_fp8
 from ._rules import quantize_weights_once as quantize_weights_once
 from ._rules import warn_if_traced_per_example as warn_if_traced_per_example

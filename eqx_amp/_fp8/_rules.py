@@ -1,6 +1,6 @@
-"""Where fp8 products run: the fp8 rules (`eqx_amp.fp8.TENSORWISE`, `ROWWISE`, `MXFP8`), the
-shapes an fp8 kernel takes, `eqx_amp.fp8.dot_general`, and the hooks that rebind a
-program's matmuls and convolutions as fp8 ones."""
+"""Where fp8 products run: the fp8 rules (`eqx_amp.fp8.TENSORWISE`, `ROWWISE`,
+`MXFP8`) and the hooks that rebind a program's matmuls and convolutions as fp8 ones
+(their shapes permitting: `_shapes`)."""
 
 import functools as ft
 from collections.abc import Callable
@@ -12,7 +12,6 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
-from .._core._cast import floating_dtype
 from .._core._wrapper import warn_once
 from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import batched_like, evaluate_function
@@ -25,18 +24,22 @@ from ._products import (
     WEIGHT_AMAX_SCOPE,
     fp8_conv,
     fp8_matmul,
-    free_axes,
     holding_fp8_values,
     known_fp8,
     remember_fp8,
 )
 from ._scaling import E4M3, finite_amax, quantize_with, scale_from_amax
+from ._shapes import (
+    FP8_MULTIPLE,
+    fp8_conv_eligible,
+    fp8_cost_reason,
+    fp8_eligible,
+    mxfp8_eligible,
+)
 
 
-# fp8 GEMMs (cuBLASLt on Hopper) need every dimension to be a multiple of 16.
-FP8_MULTIPLE = 16
 Scaling = Literal["tensorwise", "rowwise", "mxfp8"]
-_SCALINGS = ("tensorwise", "rowwise", "mxfp8")
+SCALINGS = ("tensorwise", "rowwise", "mxfp8")
 
 
 class Fp8Rule:
@@ -257,20 +260,6 @@ def conv_in_fp8(lhs, rhs, params: dict, out_dtype, only_eligible: bool) -> Array
     return fp8_conv(params, out_dtype, lhs_dtype, rhs_dtype)(lhs, rhs, known)
 
 
-def fp8_conv_eligible(rhs_shape, params: dict) -> str | None:
-    """Why a convolution with this kernel cannot run in fp8, or `None`: its input
-    and output feature counts must be multiples of 16."""
-    rhs_spec = params["dimension_numbers"].rhs_spec
-    sizes = {
-        "output features": rhs_shape[rhs_spec[0]],
-        "input features": rhs_shape[rhs_spec[1]],
-    }
-    bad = [f"{name} {n}" for name, n in sizes.items() if n % FP8_MULTIPLE]
-    if bad:
-        return f"{', '.join(bad)} not a multiple of {FP8_MULTIPLE}"
-    return None
-
-
 class _Fp8Dots(Hook):
     """Binds every `dot_general` and convolution of a program as an fp8 one (where
     its shapes allow, if `only_eligible`)."""
@@ -371,84 +360,6 @@ def matmul_in_fp8(
     return matmul(lhs, rhs, known)
 
 
-def dot_general(
-    lhs: Array,
-    rhs: Array,
-    dimension_numbers: Any,
-    *,
-    scaling: Scaling = "tensorwise",
-    out_dtype: Any = None,
-) -> Array:
-    """`lax.dot_general` in fp8, with current scaling.
-
-    The operands are quantised to `float8_e4m3fn` with float32 scales from their
-    absolute maximum (over the whole tensor, or per row with `scaling="rowwise"`:
-    one scale per index of the non-contracting axes), multiplied with float32
-    accumulation, and the result is unscaled and returned in `out_dtype`. In the
-    backward pass the output gradient is quantised to `float8_e5m2` and multiplied
-    with the fp8 operands (tensorwise: the saved ones; rowwise: both quantised
-    again per row of each backward product, so that every scale comes out of it).
-    Scales are at most 2**126 (tiny and zero tensors stay finite) and come from the
-    finite values: an inf or NaN element gives non-finite outputs where float32
-    would. First-order derivatives only: differentiating the backward pass again
-    raises `NotImplementedError`. Under `jax.vmap` the scales cover the whole
-    batch, as for the batched matmul; under GSPMD their amax is reduced across
-    devices.
-
-    With `scaling="mxfp8"` the product is block-scaled (MXFP8): each block of 32
-    values along the contracting axes gets its own power-of-two (e8m0) scale, the
-    block's amax rounded up (RCEIL), which the GEMM applies (`jax.nn.scaled_matmul`,
-    cuDNN's block-scaled GEMM, on CUDA; `jax.lax.scaled_dot`, which dequantises,
-    elsewhere). Gradients are e4m3 too, and each backward product quantises
-    along its own contracting axes (the operands' forms for it are saved in the
-    forward pass, 1 byte a value); a contracting size that is not a multiple of
-    32 is padded with zeros. An inf or NaN makes only the outputs that read its
-    block non-finite.
-
-    **Arguments:**
-
-    - `lhs`, `rhs`, `dimension_numbers`: as for `jax.lax.dot_general`.
-    - `scaling`: `"tensorwise"` (one scale per operand), `"rowwise"` or `"mxfp8"`
-        (one per 32 values along the contracting axes).
-    - `out_dtype`: the output (and backward compute) dtype, a floating dtype of 16
-        bits or more or one of the package's words (`"bf16"`); `None` means the
-        wider of the operands' dtypes (bfloat16 for bfloat16 operands).
-
-    **Returns:**
-
-    The product, of `out_dtype`.
-
-    **Example:**
-
-    ```python
-    y = eqx_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ())), out_dtype=jnp.bfloat16)
-    ```
-    """
-    if scaling not in _SCALINGS:
-        raise ValueError(
-            "`scaling` must be 'tensorwise' or 'rowwise', or 'mxfp8' for block "
-            f"scales, not {scaling!r}."
-        )
-    for name, operand in (("lhs", lhs), ("rhs", rhs)):
-        if not jnp.issubdtype(jnp.result_type(operand), jnp.floating):
-            raise TypeError(
-                f"`eqx_amp.fp8.dot_general` multiplies floating arrays, but `{name}` is "
-                f"{jnp.result_type(operand)}."
-            )
-    if out_dtype is None:
-        with jax.numpy_dtype_promotion("standard"):
-            out_dtype = jnp.result_type(lhs, rhs)
-    # Refuses integer and complex dtypes (a product would be truncated or get a
-    # zero imaginary part), and takes the package's words ("bf16").
-    out_dtype = floating_dtype(out_dtype, "out_dtype")
-    if out_dtype.itemsize < 2:
-        raise ValueError(
-            f"`out_dtype` must be bfloat16, float16 or wider, not {out_dtype.name}: "
-            "the product is accumulated in float32 and returned in it."
-        )
-    return matmul_in_fp8(lhs, rhs, dimension_numbers, scaling, out_dtype, False)
-
-
 def _batched_as_one(
     primitive,
     params,
@@ -476,83 +387,6 @@ def _batched_as_one(
 
     hook = _Fp8Dots(scaling, out_dtype, only_eligible, grad_dtype, pays_only)
     return batched_like(plain, op, hook)
-
-
-def fp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:
-    """Why a matmul of these shapes cannot run as an fp8 GEMM, or `None` if it can:
-    every dimension must be a multiple of 16."""
-    (lc, rc), (lb, rb) = dims
-    sizes = {
-        "contracting": int(np.prod([lhs_shape[i] for i in lc], dtype=np.int64)),
-        "lhs free": int(
-            np.prod(
-                [lhs_shape[i] for i in free_axes(len(lhs_shape), lc, lb)],
-                dtype=np.int64,
-            )
-        ),
-        "rhs free": int(
-            np.prod(
-                [rhs_shape[i] for i in free_axes(len(rhs_shape), rc, rb)],
-                dtype=np.int64,
-            )
-        ),
-    }
-    bad = [f"{name} size {n}" for name, n in sizes.items() if n % FP8_MULTIPLE]
-    if bad:
-        return f"{', '.join(bad)} not a multiple of {FP8_MULTIPLE}"
-    return None
-
-
-# The H100 SXM roofline of the benchmarks (`benchmarks/_gpu_hlo.py`): GEMMs at 70%
-# of the dense peak, other kernels at 80% of the memory bandwidth, 3 us a launch.
-_H100_BF16_FLOPS = 0.7 * 989e12
-_H100_FP8_FLOPS = 0.7 * 1979e12
-_H100_BYTES_PER_S = 0.8 * 3.35e12
-_LAUNCH_S = 3e-6
-
-
-def fp8_cost_reason(lhs_shape, rhs_shape, dims) -> str | None:
-    """Why a matmul of these shapes should stay out of fp8 (its fp8 GEMMs would
-    save less time than quantising costs, on an H100's roofline), or `None`.
-
-    Saved: the forward product and the two backward ones, each 2·B·M·N·K FLOPs,
-    at fp8's rate instead of bfloat16's. Cost: an amax pass (2 bytes read a value)
-    and a quantise pass (2 read, 1 written) over each operand and over the output
-    gradient, and those 6 kernels' launches. An operand shared by several products
-    (a weight quantised once per call, the input of q, k and v) is counted for
-    each, so the estimate errs towards bfloat16."""
-    (lc, rc), (lb, rb) = dims
-
-    def size(shape, axes):
-        return int(np.prod([shape[i] for i in axes], dtype=np.int64))
-
-    batch, contracting = size(lhs_shape, lb), size(lhs_shape, lc)
-    m = size(lhs_shape, free_axes(len(lhs_shape), lc, lb))
-    n = size(rhs_shape, free_axes(len(rhs_shape), rc, rb))
-    flops = 2.0 * batch * m * n * contracting
-    saved = 3 * flops * (1 / _H100_BF16_FLOPS - 1 / _H100_FP8_FLOPS)
-    quantised = batch * (m * contracting + n * contracting + m * n)
-    cost = 5 * quantised / _H100_BYTES_PER_S + 6 * _LAUNCH_S
-    if saved > cost:
-        return None
-    return (
-        f"too small to gain: its fp8 GEMMs would save {saved * 1e6:.3g} us on an "
-        f"H100, quantising costs {cost * 1e6:.3g} us (`where_it_pays`)"
-    )
-
-
-def mxfp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:
-    """Why a matmul of these shapes cannot run as an MXFP8 GEMM, or `None` if it
-    can: its contracting size must be a multiple of the block size, 32 (the
-    backward products' contracting sizes, the forward's free ones, are padded)."""
-    (lc, _), _ = dims
-    contracting = int(np.prod([lhs_shape[i] for i in lc], dtype=np.int64))
-    if contracting % BLOCK:
-        return (
-            f"contracting size {contracting} not a multiple of the MXFP8 block "
-            f"size {BLOCK}"
-        )
-    return None
 
 
 class Fp8ParamsHook(Hook):

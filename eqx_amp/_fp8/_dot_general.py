@@ -1,0 +1,88 @@
+"""`eqx_amp.fp8.dot_general`: one fp8 matmul, by hand."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from .._core._cast import floating_dtype
+from ._rules import SCALINGS, Scaling, matmul_in_fp8
+
+
+def dot_general(
+    lhs: Array,
+    rhs: Array,
+    dimension_numbers: Any,
+    *,
+    scaling: Scaling = "tensorwise",
+    out_dtype: Any = None,
+) -> Array:
+    """`lax.dot_general` in fp8, with current scaling.
+
+    The operands are quantised to `float8_e4m3fn` with float32 scales from their
+    absolute maximum (over the whole tensor, or per row with `scaling="rowwise"`:
+    one scale per index of the non-contracting axes), multiplied with float32
+    accumulation, and the result is unscaled and returned in `out_dtype`. In the
+    backward pass the output gradient is quantised to `float8_e5m2` and multiplied
+    with the fp8 operands (tensorwise: the saved ones; rowwise: both quantised
+    again per row of each backward product, so that every scale comes out of it).
+    Scales are at most 2**126 (tiny and zero tensors stay finite) and come from the
+    finite values: an inf or NaN element gives non-finite outputs where float32
+    would. First-order derivatives only: differentiating the backward pass again
+    raises `NotImplementedError`. Under `jax.vmap` the scales cover the whole
+    batch, as for the batched matmul; under GSPMD their amax is reduced across
+    devices.
+
+    With `scaling="mxfp8"` the product is block-scaled (MXFP8): each block of 32
+    values along the contracting axes gets its own power-of-two (e8m0) scale, the
+    block's amax rounded up (RCEIL), which the GEMM applies (`jax.nn.scaled_matmul`,
+    cuDNN's block-scaled GEMM, on CUDA; `jax.lax.scaled_dot`, which dequantises,
+    elsewhere). Gradients are e4m3 too, and each backward product quantises
+    along its own contracting axes (the operands' forms for it are saved in the
+    forward pass, 1 byte a value); a contracting size that is not a multiple of
+    32 is padded with zeros. An inf or NaN makes only the outputs that read its
+    block non-finite.
+
+    **Arguments:**
+
+    - `lhs`, `rhs`, `dimension_numbers`: as for `jax.lax.dot_general`.
+    - `scaling`: `"tensorwise"` (one scale per operand), `"rowwise"` or `"mxfp8"`
+        (one per 32 values along the contracting axes).
+    - `out_dtype`: the output (and backward compute) dtype, a floating dtype of 16
+        bits or more or one of the package's words (`"bf16"`); `None` means the
+        wider of the operands' dtypes (bfloat16 for bfloat16 operands).
+
+    **Returns:**
+
+    The product, of `out_dtype`.
+
+    **Example:**
+
+    ```python
+    y = eqx_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ())), out_dtype=jnp.bfloat16)
+    ```
+    """
+    if scaling not in SCALINGS:
+        raise ValueError(
+            "`scaling` must be 'tensorwise' or 'rowwise', or 'mxfp8' for block "
+            f"scales, not {scaling!r}."
+        )
+    for name, operand in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(jnp.result_type(operand), jnp.floating):
+            raise TypeError(
+                f"`eqx_amp.fp8.dot_general` multiplies floating arrays, but `{name}` is "
+                f"{jnp.result_type(operand)}."
+            )
+    if out_dtype is None:
+        with jax.numpy_dtype_promotion("standard"):
+            out_dtype = jnp.result_type(lhs, rhs)
+    # Refuses integer and complex dtypes (a product would be truncated or get a
+    # zero imaginary part), and takes the package's words ("bf16").
+    out_dtype = floating_dtype(out_dtype, "out_dtype")
+    if out_dtype.itemsize < 2:
+        raise ValueError(
+            f"`out_dtype` must be bfloat16, float16 or wider, not {out_dtype.name}: "
+            "the product is accumulated in float32 and returned in it."
+        )
+    return matmul_in_fp8(lhs, rhs, dimension_numbers, scaling, out_dtype, False)

@@ -1,0 +1,102 @@
+"""Which products an fp8 kernel takes (shapes), and which pay for their quantisation
+(an H100 estimate from the shapes, for `rule.where_it_pays()`)."""
+
+import numpy as np
+
+from ._block_scaled import BLOCK
+from ._products import free_axes
+
+
+# fp8 GEMMs (cuBLASLt on Hopper) need every dimension to be a multiple of 16.
+FP8_MULTIPLE = 16
+
+
+def fp8_conv_eligible(rhs_shape, params: dict) -> str | None:
+    """Why a convolution with this kernel cannot run in fp8, or `None`: its input
+    and output feature counts must be multiples of 16."""
+    rhs_spec = params["dimension_numbers"].rhs_spec
+    sizes = {
+        "output features": rhs_shape[rhs_spec[0]],
+        "input features": rhs_shape[rhs_spec[1]],
+    }
+    bad = [f"{name} {n}" for name, n in sizes.items() if n % FP8_MULTIPLE]
+    if bad:
+        return f"{', '.join(bad)} not a multiple of {FP8_MULTIPLE}"
+    return None
+
+
+def fp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:
+    """Why a matmul of these shapes cannot run as an fp8 GEMM, or `None` if it can:
+    every dimension must be a multiple of 16."""
+    (lc, rc), (lb, rb) = dims
+    sizes = {
+        "contracting": int(np.prod([lhs_shape[i] for i in lc], dtype=np.int64)),
+        "lhs free": int(
+            np.prod(
+                [lhs_shape[i] for i in free_axes(len(lhs_shape), lc, lb)],
+                dtype=np.int64,
+            )
+        ),
+        "rhs free": int(
+            np.prod(
+                [rhs_shape[i] for i in free_axes(len(rhs_shape), rc, rb)],
+                dtype=np.int64,
+            )
+        ),
+    }
+    bad = [f"{name} size {n}" for name, n in sizes.items() if n % FP8_MULTIPLE]
+    if bad:
+        return f"{', '.join(bad)} not a multiple of {FP8_MULTIPLE}"
+    return None
+
+
+# The H100 SXM roofline of the benchmarks (`benchmarks/_gpu_hlo.py`): GEMMs at 70%
+# of the dense peak, other kernels at 80% of the memory bandwidth, 3 us a launch.
+_H100_BF16_FLOPS = 0.7 * 989e12
+_H100_FP8_FLOPS = 0.7 * 1979e12
+_H100_BYTES_PER_S = 0.8 * 3.35e12
+_LAUNCH_S = 3e-6
+
+
+def fp8_cost_reason(lhs_shape, rhs_shape, dims) -> str | None:
+    """Why a matmul of these shapes should stay out of fp8 (its fp8 GEMMs would
+    save less time than quantising costs, on an H100's roofline), or `None`.
+
+    Saved: the forward product and the two backward ones, each 2·B·M·N·K FLOPs,
+    at fp8's rate instead of bfloat16's. Cost: an amax pass (2 bytes read a value)
+    and a quantise pass (2 read, 1 written) over each operand and over the output
+    gradient, and those 6 kernels' launches. An operand shared by several products
+    (a weight quantised once per call, the input of q, k and v) is counted for
+    each, so the estimate errs towards bfloat16."""
+    (lc, rc), (lb, rb) = dims
+
+    def size(shape, axes):
+        return int(np.prod([shape[i] for i in axes], dtype=np.int64))
+
+    batch, contracting = size(lhs_shape, lb), size(lhs_shape, lc)
+    m = size(lhs_shape, free_axes(len(lhs_shape), lc, lb))
+    n = size(rhs_shape, free_axes(len(rhs_shape), rc, rb))
+    flops = 2.0 * batch * m * n * contracting
+    saved = 3 * flops * (1 / _H100_BF16_FLOPS - 1 / _H100_FP8_FLOPS)
+    quantised = batch * (m * contracting + n * contracting + m * n)
+    cost = 5 * quantised / _H100_BYTES_PER_S + 6 * _LAUNCH_S
+    if saved > cost:
+        return None
+    return (
+        f"too small to gain: its fp8 GEMMs would save {saved * 1e6:.3g} us on an "
+        f"H100, quantising costs {cost * 1e6:.3g} us (`where_it_pays`)"
+    )
+
+
+def mxfp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:
+    """Why a matmul of these shapes cannot run as an MXFP8 GEMM, or `None` if it
+    can: its contracting size must be a multiple of the block size, 32 (the
+    backward products' contracting sizes, the forward's free ones, are padded)."""
+    (lc, _), _ = dims
+    contracting = int(np.prod([lhs_shape[i] for i in lc], dtype=np.int64))
+    if contracting % BLOCK:
+        return (
+            f"contracting size {contracting} not a multiple of the MXFP8 block "
+            f"size {BLOCK}"
+        )
+    return None
