@@ -27,11 +27,12 @@ Exit status 1 if an MXFP8 product is not a cuDNN block-scaled GEMM.
 import argparse
 import functools as ft
 import json
-import os
 import pathlib
 import re
 import sys
 import time
+
+from h100_aot import deviceless_devices, plugin_missing
 
 
 TARGET = pathlib.Path(__file__).resolve().parent / "b200.txtpb"
@@ -43,32 +44,11 @@ VARIANTS = (
 _BACKWARD = re.compile(r"transpose\(")
 
 
-def plugin_missing() -> str | None:
-    """Why a B200 compile cannot run here (no CUDA plugin), or None."""
-    try:
-        import jax_cuda12_plugin  # noqa: F401
-    except ImportError:
-        return (
-            "the CUDA plugin is not installed: pip install "
-            '"jax[cuda12]==<this jax version>" (no GPU needed)'
-        )
-    return None
-
-
 def b200_sharding():
-    """A sharding on one deviceless B200 (the environment variable must be set
-    before JAX starts its backends)."""
-    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    """A sharding on one deviceless B200."""
     import jax
-    from jax.experimental import topologies
 
-    topology = topologies.get_topology_desc(
-        platform="cuda",
-        topology_name="b200",
-        target_config=TARGET.read_text(),
-        topology="1x1x1",
-    )
-    return jax.sharding.SingleDeviceSharding(topology.devices[0])
+    return jax.sharding.SingleDeviceSharding(deviceless_devices("b200", TARGET)[0])
 
 
 def builders() -> dict:

@@ -65,21 +65,27 @@ def plugin_missing() -> str | None:
     return None
 
 
-def h100_devices(count: int = 1) -> list:
-    """`count` deviceless H100s in one host, to shard `jax.ShapeDtypeStruct`s over so
-    that `jax.jit(f).lower(...)` compiles for them. The environment variable must be
-    set before JAX starts its backends (the plugin refuses a machine without CUDA
+def deviceless_devices(name: str, target: pathlib.Path, count: int = 1) -> list:
+    """`count` deviceless GPUs of the kind `name` (`"h100"`, `"b200"`) in one host,
+    described by XLA's target config `target`, to shard `jax.ShapeDtypeStruct`s over
+    so that `jax.jit(f).lower(...)` compiles for them. The environment variable must
+    be set before JAX starts its backends (the plugin refuses a machine without CUDA
     otherwise)."""
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(
         platform="cuda",
-        topology_name="h100",
-        target_config=TARGET.read_text(),
+        topology_name=name,
+        target_config=target.read_text(),
         topology=f"1x1x{count}",
     )
     return list(topology.devices)
+
+
+def h100_devices(count: int = 1) -> list:
+    """`count` deviceless H100s in one host (`deviceless_devices`)."""
+    return deviceless_devices("h100", TARGET, count)
 
 
 def h100_sharding():

@@ -2,6 +2,7 @@
 suite goes through the jaxpr (or the compiled HLO), never through a docstring."""
 
 import atexit
+import importlib.util
 import json
 import os
 import pathlib
@@ -15,6 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 def _sub_jaxprs(value: Any) -> Iterator[Any]:
@@ -256,3 +258,11 @@ def collective_bytes(row: dict, group: str, dtypes=None) -> int:
     """Bytes of one group of a row's collectives, of `dtypes` (all when None)."""
     by_dtype = row["collectives"].get(group, {})
     return sum(b for d, b in by_dtype.items() if dtypes is None or d in dtypes)
+
+
+# GPU compiles without a GPU (benchmarks/h100_aot.py, b200_aot.py) need the CUDA
+# plugin, which `.ci/run` installs in an environment of its own.
+needs_cuda_plugin = pytest.mark.skipif(
+    importlib.util.find_spec("jax_cuda12_plugin") is None,
+    reason='the CUDA plugin is not installed (pip install "jax[cuda12]==<jax>")',
+)

@@ -11,7 +11,6 @@ one (benchmarks/b200_aot.py). Needs the CUDA plugin, not a GPU:
   residuals saved for the backward pass are fewer bytes than hand-cast bfloat16's.
 """
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -20,13 +19,12 @@ import textwrap
 
 import pytest
 
+from .helpers import needs_cuda_plugin
+
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("jax_cuda12_plugin") is None,
-        reason='the CUDA plugin is not installed (pip install "jax[cuda12]==<jax>")',
-    ),
+    needs_cuda_plugin,
 ]
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"

@@ -16,7 +16,6 @@ one (benchmarks/h100_aot.py). Needs the CUDA plugin, not a GPU:
   in one all-reduce.
 """
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -25,13 +24,12 @@ import textwrap
 
 import pytest
 
+from .helpers import needs_cuda_plugin
+
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("jax_cuda12_plugin") is None,
-        reason='the CUDA plugin is not installed (pip install "jax[cuda12]==<jax>")',
-    ),
+    needs_cuda_plugin,
 ]
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"

@@ -4,7 +4,6 @@
 shard of the training state and of the batch, and the state weighs the bytes per
 weight the docs give (12, 14, 8 and 4.03). Needs the CUDA plugin, not a GPU."""
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -12,13 +11,12 @@ import sys
 
 import pytest
 
+from .helpers import needs_cuda_plugin
+
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("jax_cuda12_plugin") is None,
-        reason='the CUDA plugin is not installed (pip install "jax[cuda12]==<jax>")',
-    ),
+    needs_cuda_plugin,
 ]
 
 SCRIPT = (

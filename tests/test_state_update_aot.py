@@ -5,7 +5,6 @@ moments' encoding (a block statistic, then the codes) must not cost that back by
 writing float32 moments to memory and reading them again. Needs the CUDA plugin,
 not a GPU."""
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -13,13 +12,12 @@ import sys
 
 import pytest
 
+from .helpers import needs_cuda_plugin
+
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("jax_cuda12_plugin") is None,
-        reason='the CUDA plugin is not installed (pip install "jax[cuda12]==<jax>")',
-    ),
+    needs_cuda_plugin,
 ]
 
 SCRIPT = (
