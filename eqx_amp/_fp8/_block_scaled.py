@@ -146,7 +146,7 @@ def _from_3d(x3: Array, shape, contracting, batch) -> Array:
     free = free_axes(len(shape), contracting, batch)
     order = [*batch, *free, *contracting]
     x = x3.reshape([shape[a] for a in order])
-    return jnp.transpose(x, np.argsort(order))
+    return jnp.transpose(x, [int(a) for a in np.argsort(order)])
 
 
 def _transposed(x3: Array) -> Array:
