@@ -236,9 +236,11 @@ def test_autocast_fp8_inside_vmap_decides_on_the_batched_shapes(getkey):
     outside = eqx_amp.autocast(
         eqx.filter_vmap(model), policy="mixed_bfloat16", rules=rules
     )
-    np.testing.assert_array_equal(np.asarray(inside(x)), np.asarray(outside(x)))
+    np.testing.assert_array_equal(
+        np.asarray(eqx.filter_jit(inside)(x)), np.asarray(eqx.filter_jit(outside)(x))
+    )
     grads = [
-        eqx.filter_grad(lambda m, f=f: jnp.sum(f(m)(x) ** 2))(model)
+        eqx.filter_jit(eqx.filter_grad(lambda m, f=f: jnp.sum(f(m)(x) ** 2)))(model)
         for f in (
             lambda m: jax.vmap(
                 eqx_amp.autocast(m, policy="mixed_bfloat16", rules=rules)
@@ -342,11 +344,18 @@ def test_filter_amp_and_bimodel_fp8_train(getkey):
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
 
     def train(forward_of, model, steps=30):
-        grad_fn = eqx.filter_value_and_grad(lambda m: loss(forward_of(m)(x)))
+        @eqx.filter_jit
+        def step(model):
+            value, grads = eqx.filter_value_and_grad(lambda m: loss(forward_of(m)(x)))(
+                model
+            )
+            return value, eqx.apply_updates(
+                model, jax.tree.map(lambda g: -0.2 * g, grads)
+            )
+
         losses = []
         for _ in range(steps):
-            value, grads = grad_fn(model)
-            model = eqx.apply_updates(model, jax.tree.map(lambda g: -0.2 * g, grads))
+            value, model = step(model)
             losses.append(float(value))
         return losses
 
@@ -490,7 +499,7 @@ def test_convolutions_in_fp8_on_every_path(getkey):
     second_flops = 2 * 16 * 8 * 8 * 32 * 16 * 9
     outputs = []
     for name, forward in paths.items():
-        y = forward(x)
+        y = eqx.filter_jit(forward)(x)
         outputs.append(np.asarray(y))
         assert float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact)) < 0.05, name
         report = eqx_amp.precision_report(forward, x)
@@ -508,13 +517,14 @@ def test_fp8_convolution_gradients_match(getkey):
     def loss(model, wrap):
         return jnp.sum(jnp.sin(wrap(model)(x)))
 
-    grads = eqx.filter_grad(loss)(
+    grad = eqx.filter_jit(eqx.filter_grad(loss))
+    grads = grad(
         model,
         lambda m: eqx_amp.autocast(
             eqx.filter_vmap(m), policy="mixed_bfloat16", rules=rules
         ),
     )
-    exact = eqx.filter_grad(loss)(model, eqx.filter_vmap)
+    exact = grad(model, eqx.filter_vmap)
     error = float(
         jnp.linalg.norm(grads.second.weight - exact.second.weight)
         / jnp.linalg.norm(exact.second.weight)

@@ -229,9 +229,12 @@ def _follow_inputs(eqn: Any, invals: list) -> dict:
     floating_in = [v.dtype for v in invals if is_floating_array(v)]
     if preferred is None or not floating_in or not is_floating_dtype(preferred):
         return params
-    original_widest = widest_dtype(
-        d for d in traced_dtypes(eqn.invars) if is_floating_dtype(d)
-    )
+    original = [d for d in traced_dtypes(eqn.invars) if is_floating_dtype(d)]
+    # An fp8 product (fp8 values, e8m0 scales) chose its output dtype itself, and
+    # 8-bit floats have no promotion to follow.
+    if any(jnp.dtype(d).itemsize == 1 for d in [*original, *floating_in]):
+        return params
+    original_widest = widest_dtype(original)
     if original_widest is not None and jnp.dtype(preferred) == original_widest:
         params["preferred_element_type"] = widest_dtype(floating_in)
     return params

@@ -16,7 +16,7 @@ from jax import lax
 from .._core._cast import is_floating_array, is_floating_dtype, is_half_dtype
 from .._core._describe import is_module
 from .._filter_amp._first_call import unchecked
-from .._fp8 import FP8_SCOPE, FP8_SKIPPED_SCOPE, block_scaled_flops
+from .._fp8 import DEQUANTIZED_SCOPE, FP8_SCOPE, FP8_SKIPPED_SCOPE, block_scaled_flops
 from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import evaluate
 from .._jaxpr._hook import (
@@ -483,7 +483,9 @@ class _Census(Hook):
         name = eqn.primitive.name
         in_dtypes = _dtype_names(eqn.invars)
         self.ops[name][in_dtypes] += 1
-        if eqn.primitive in MATMUL_PRIMITIVES:
+        # The CPU's form of a block-scaled product is counted as the product itself,
+        # below.
+        if eqn.primitive in MATMUL_PRIMITIVES and DEQUANTIZED_SCOPE not in frame.scopes:
             flops = matmul_flops(eqn) * frame.repeats
             self.matmul_flops += flops
             read = self._read_dtypes(eqn, invals)

@@ -6,9 +6,12 @@ consecutive values along a product's contracting dimension is stored as
 from the block's largest finite magnitude (RCEIL: the block's amax lands in
 (224, 448], e4m3's top binade, and nothing saturates). The GEMM applies the scales
 itself: JAX's `jax.nn.scaled_matmul` on CUDA (cuDNN's `__cudnn$blockScaledDot`
-where XLA knows cuDNN 9.8 or later), JAX's `lax.scaled_dot` elsewhere (on a CPU it
-dequantises to bfloat16, which is exact, and multiplies with float32
-accumulation): the same numbers either way.
+where XLA knows cuDNN 9.8 or later), JAX's `lax.scaled_dot` on other accelerators
+(it dequantises to bfloat16, which is exact, and multiplies with float32
+accumulation); on a CPU the operands are dequantised to float32 (exact too), since
+XLA's CPU runtime cannot run every bfloat16 x bfloat16 -> float32 dot that
+`scaled_dot`'s backward products become once XLA folds transposes into them. The
+same numbers on every platform.
 
 Each product quantises along its own contracting dimension, the backward ones too:
 the forward pass quantises each operand twice, along the forward product's
@@ -39,6 +42,10 @@ E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 # The named scope inside `FP8_SCOPE` that block-scaled products run under: the
 # compiled GPU program's op names show it beside each cuDNN call.
 MXFP8_SCOPE = "mxfp8"
+# The scope of the CPU's form of a block-scaled product (a float32 dot of the
+# dequantised operands): reports count the block-scaled product once, as the CUDA
+# form, and not this dot beside it.
+DEQUANTIZED_SCOPE = "mxfp8_dequantized_on_cpu"
 # The dtypes JAX's block-scaled products emit.
 _PRODUCT_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.float16)))
 _E4M3_MAX = float(jnp.finfo(E4M3).max)
@@ -111,12 +118,27 @@ def _portable_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
     )
 
 
+@jax.named_scope(DEQUANTIZED_SCOPE)
+def _cpu_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
+    def dequantized(values, scales):
+        b, m, k = values.shape
+        blocks = values.astype(jnp.float32).reshape(b, m, k // BLOCK, BLOCK)
+        return (blocks * scales.astype(jnp.float32)[..., None]).reshape(b, m, k)
+
+    return lax.dot_general(
+        dequantized(lhs, lhs_scales),
+        dequantized(rhs, rhs_scales),
+        (((2,), (2,)), ((0,), (0,))),
+        preferred_element_type=jnp.float32,
+    ).astype(dtype)
+
+
 def block_product(lhs, rhs, lhs_scales, rhs_scales, dtype) -> Array:
     """`(B, M, K) x (B, N, K) -> (B, M, N)` of MXFP8 operands, the scales applied in
     the GEMM, accumulated in float32 and returned in `dtype`: cuDNN's block-scaled
-    GEMM through `jax.nn.scaled_matmul` when compiled for CUDA, `lax.scaled_dot`
-    (a dequantising dot) for any other platform (chosen as the program is lowered,
-    so a CPU can compile for a GPU)."""
+    GEMM through `jax.nn.scaled_matmul` when compiled for CUDA, a dequantising dot
+    for any other platform (`lax.scaled_dot`; on a CPU, float32 operands), chosen
+    as the program is lowered, so a CPU can compile for a GPU."""
     dtype = jnp.dtype(dtype)
     emit = dtype if dtype in _PRODUCT_DTYPES else jnp.dtype(jnp.float32)
     out = lax.platform_dependent(
@@ -125,6 +147,7 @@ def block_product(lhs, rhs, lhs_scales, rhs_scales, dtype) -> Array:
         lhs_scales,
         rhs_scales,
         cuda=ft.partial(_cuda_product, dtype=emit),
+        cpu=ft.partial(_cpu_product, dtype=emit),
         default=ft.partial(_portable_product, dtype=emit),
     )
     return out.astype(dtype)

@@ -239,6 +239,14 @@ def scan_counts(params: dict) -> tuple[int, int]:
     return len(consts), len(carry)
 
 
+def branch_platforms(params: dict) -> tuple | None:
+    """For a `cond` made by `lax.platform_dependent`, the platforms of each branch
+    (a tuple of names, or None for the default one), aligned with `branches`; None
+    for an ordinary `cond`. Its index comes from the platform the program is
+    lowered for, and only that branch is lowered."""
+    return params.get("branches_platforms")
+
+
 def replace_jaxprs(params: dict, replace: Callable[[Any], Any]) -> dict:
     """`params` with every jaxpr among them (in tuples and namedtuples too) replaced
     by `replace(jaxpr)`."""

@@ -122,6 +122,19 @@ def cond(run: Run, eqn, invals, in_origins, frame, hook):
     if hook.eager:
         chosen = branches[int(np.clip(int(index), 0, len(branches) - 1))]
         return branch(chosen, *operands), out_origins
+    platforms = compat.branch_platforms(eqn.params)
+    if platforms is not None:
+        # A switch would lower every branch for every platform (a cuDNN-only one
+        # fails on a CPU): the choice stays with the platform.
+        per_platform, default = {}, None
+        for names, closed in zip(platforms, branches):
+            if names is None:
+                default = ft.partial(branch, closed)
+            else:
+                per_platform.update(dict.fromkeys(names, ft.partial(branch, closed)))
+        return lax.platform_dependent(
+            *operands, default=default, **per_platform
+        ), out_origins
     return lax.switch(
         index, [ft.partial(branch, b) for b in branches], *operands
     ), out_origins
