@@ -95,7 +95,7 @@ PATHS = {
 
 
 def _grad_of(path, policy, model, tokens):
-    return eqx.filter_grad(PATHS[path](policy))(model, tokens)
+    return eqx.filter_jit(eqx.filter_grad(PATHS[path](policy)))(model, tokens)
 
 
 def _weight_shapes(model):
@@ -180,7 +180,9 @@ def test_without_a_reduce_dtype_weight_gradients_are_summed_in_the_compute_dtype
 @pytest.mark.parametrize("path", list(PATHS))
 def test_reduce_dtype_gradients_match_float32(path, getkey):
     model, tokens = Tiny(getkey()), _tokens()
-    reference = eqx.filter_grad(lambda m, t: _loss(jax.vmap(m)(t), t))(model, tokens)
+    reference = eqx.filter_jit(eqx.filter_grad(lambda m, t: _loss(jax.vmap(m)(t), t)))(
+        model, tokens
+    )
     default = _grad_of(path, eqx_amp.get_policy("mixed_bfloat16"), model, tokens)
     reduced = _grad_of(path, BF16_F32_REDUCE, model, tokens)
     for grads in (default, reduced):
@@ -230,8 +232,8 @@ def test_bimodel_reduce_dtype(getkey):
         s for s in _gradient_sums(jaxpr, _weight_shapes(model)) if s[0] == "dot_general"
     ]
     assert dots and all(out == F32 and ins == [BF16, BF16] for _, _, ins, out in dots)
-    reference = eqx.filter_grad(loss)(model, tokens)
-    assert global_rel_error(grads_of(bimodel), reference) < 2e-2
+    reference = eqx.filter_jit(eqx.filter_grad(loss))(model, tokens)
+    assert global_rel_error(eqx.filter_jit(grads_of)(bimodel), reference) < 2e-2
 
 
 def test_reduce_dtype_composes_with_checkpoint_scan_and_jit(getkey):

@@ -106,14 +106,16 @@ def test_fp8_gather_quantises_shards_with_one_pmax_and_reduces_in_bf16(getkey):
     assert {g.dtype for g in jax.tree_util.tree_leaves(grads)} == {F32}
     # As accurate as the one-device fp8 step (whose products quantise the weights'
     # bfloat16 copies: other roundings, the same error).
-    one_device = jax.grad(
-        lambda p: jnp.mean(
-            jax.vmap(eqx_amp.filter_amp(eqx.combine(p, static), fp8=FP8))(x) ** 2
+    one_device = jax.jit(
+        jax.grad(
+            lambda p: jnp.mean(
+                jax.vmap(eqx_amp.filter_amp(eqx.combine(p, static), fp8=FP8))(x) ** 2
+            )
         )
     )(params)
-    reference = jax.grad(lambda p: jnp.mean(jax.vmap(eqx.combine(p, static))(x) ** 2))(
-        params
-    )
+    reference = jax.jit(
+        jax.grad(lambda p: jnp.mean(jax.vmap(eqx.combine(p, static))(x) ** 2))
+    )(params)
     assert (
         global_rel_error(grads, reference)
         < 1.1 * global_rel_error(one_device, reference) + 1e-3
@@ -198,8 +200,10 @@ def test_fp8_roads_quantise_each_weight_once_amaxes_together(getkey, road, kind)
     assert _weight_amaxes(jaxpr, shapes) == 2
     stacks = [e for e, _ in walk_eqns(jaxpr) if e.primitive.name == "stack"]
     assert [e.outvars[0].aval.shape for e in stacks] == [(2,)]
-    grads = eqx.filter_grad(loss)(model)
-    reference = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(model)
+    reference = eqx.filter_jit(
+        eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))
+    )(model)
     assert global_rel_error(grads, reference) < 0.1
 
 
@@ -380,9 +384,9 @@ def test_fp8_gather_edge_values(getkey, case):
     def gathered(shards):
         return eqx_amp.sharding.gather_params(shards, "data", specs=specs, fp8=FP8)
 
-    out = jax.shard_map(gathered, mesh=_mesh(), in_specs=(specs,), out_specs=specs)(
-        params
-    )
+    out = jax.jit(
+        jax.shard_map(gathered, mesh=_mesh(), in_specs=(specs,), out_specs=specs)
+    )(params)
     got = out.up.weight.astype(F32)
     if case in ("one_nan", "one_inf"):
         assert not bool(jnp.isfinite(got[3, 5]))
