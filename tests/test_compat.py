@@ -136,11 +136,13 @@ def newer_jax():
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_import_on_a_newer_jax_warns_once(newer_jax):
     (warning,) = newer_jax["warnings"]
     assert "tested with jax 0.10.x to 0.12.x; this is jax 0.99.0" in warning
 
 
+@pytest.mark.slow
 def test_the_call_boundary_path_needs_no_jax_internals(newer_jax):
     assert newer_jax["filter_amp"] == "float32"
     assert newer_jax["bimodel"] == "float32"
@@ -148,6 +150,7 @@ def test_the_call_boundary_path_needs_no_jax_internals(newer_jax):
     assert newer_jax["master_weights"] == "MasterWeightsState"
 
 
+@pytest.mark.slow
 def test_the_jaxpr_layer_names_the_missing_internal(newer_jax):
     error = newer_jax["autocast"]
     assert error.startswith("UnsupportedJaxError: ")

@@ -41,6 +41,9 @@ def _page_blocks(page: str):
     return blocks((REPO_ROOT / page).read_text())
 
 
+# Slow tier, with the docs build: the pages' code runs as written (eagerly,
+# op by op: a tenth of the fast tier's time).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "page", [p for p in pages() if p not in RUN_ELSEWHERE and p != "README.md"]
 )

@@ -272,6 +272,8 @@ def test_fp8_rule_errors(getkey):
     assert repr(eqx_amp.fp8.ROWWISE) == "eqx_amp.fp8.ROWWISE"
 
 
+# Slow tier, with the other docs pages' code.
+@pytest.mark.slow
 def test_fp8_guide_blocks_run(getkey):
     """The three blocks of docs/guides/fp8.md (`autocast` with the rule, with the rule
     that also takes activation products, `filter_amp` and `BiModel` with `fp8=`), on

@@ -542,6 +542,8 @@ def test_bad_options(transform):
 #
 
 
+# Slow tier, with the other docs pages' code.
+@pytest.mark.slow
 def test_docs_snippets_run():
     """The Python blocks of docs/guides/loss-scaling.md run as written, in order (as
     users run optax, under JAX's default promotion: tests/doc_blocks.py)."""

@@ -141,6 +141,7 @@ def _line(diagnostic: dict) -> int:
     return diagnostic["range"]["start"]["line"] + 1
 
 
+@pytest.mark.slow
 def test_pyright_infers_every_result_and_flags_model_attributes(user_script):
     diagnostics = _pyright(user_script)
     reveals = [
@@ -172,6 +173,7 @@ def test_pyright_infers_every_result_and_flags_model_attributes(user_script):
     )
 
 
+@pytest.mark.slow
 def test_the_user_script_runs(user_script):
     result = subprocess.run(
         [sys.executable, str(user_script)], capture_output=True, text=True, timeout=300
