@@ -1,6 +1,8 @@
 """`eqx_amp.optim.low_precision_moments`: bfloat16 and 8-bit blockwise moments,
 their encodings' error bounds, what is compressed, training like float32."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ import optax
 import pytest
 
 import eqx_amp
+from eqx_amp._optim._codec import block_statistics, encode
 
 from .helpers import rel_error
 from .optim_helpers import (
@@ -28,10 +31,16 @@ from .optim_helpers import (
 #
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def _encode_decode(x, storage, square_root, key=jr.key(0)):
-    from eqx_amp._optim._codec import encode
-
+    # One compile per storage form and shape, instead of every primitive of the
+    # encoding dispatched (and compiled) on its own.
     return encode(x, storage, square_root, 256, key).decode()
+
+
+# The encoding of one moment, jitted: `storage`, `square_root` and `block_size`
+# are static.
+_encode = jax.jit(encode, static_argnums=(1, 2, 3))
 
 
 def test_moment_encodings_error_bounds():
@@ -90,24 +99,51 @@ def test_eight_bit_second_moments_keep_small_values():
 
 def test_moment_encoding_is_unbiased():
     x = jnp.full((4096,), 0.3337)
-    decoded = jax.vmap(lambda k: _encode_decode(x, "bfloat16", False, k))(
+    decoded = jax.jit(jax.vmap(lambda k: _encode_decode(x, "bfloat16", False, k)))(
         jr.split(jr.key(1), 64)
     )
     assert abs(float(jnp.mean(decoded)) - 0.3337) < 1e-5
     x = jnp.concatenate([jnp.ones(1), jnp.full((255,), 0.0537)])
-    decoded = jax.vmap(lambda k: _encode_decode(x, "8bit", False, k))(
+    decoded = jax.jit(jax.vmap(lambda k: _encode_decode(x, "8bit", False, k)))(
         jr.split(jr.key(2), 256)
     )
     assert abs(float(jnp.mean(decoded[:, 1:])) - 0.0537) < 2e-4
+
+
+@eqx.filter_jit
+def _train_step(optimizer, model, state, x, y):
+    loss, grads = eqx.filter_value_and_grad(mse_loss)(model, x, y)
+    updates, state = optimizer.update(grads, state, model)
+    return eqx.apply_updates(model, updates), state, loss
+
+
+def _train(optimizer, model, state, x, y, steps=100):
+    # One compile per optimizer: the step is jitted once, outside the loop.
+    for _ in range(steps):
+        model, state, loss = _train_step(optimizer, model, state, x, y)
+    return model, state, float(loss)
+
+
+@functools.cache
+def _adam_reference_run():
+    """100 steps of float32 Adam on the small MLP: the model and its last loss
+    (run once for both storages)."""
+    model = small_mlp(jr.key(0))
+    x, y = regression_data(jr.key(1))
+    reference = optax.adam(3e-3)
+    with jax.numpy_dtype_promotion("standard"):
+        ref_model, _, ref_loss = _train(
+            reference, model, reference.init(float_params(model)), x, y
+        )
+    return ref_model, ref_loss
 
 
 @pytest.mark.parametrize("storage", ["bfloat16", "8bit"])
 def test_low_precision_moments_train_like_float32_moments(storage):
     model = small_mlp(jr.key(0))
     x, y = regression_data(jr.key(1))
-    reference = optax.adam(3e-3)
     compressed = eqx_amp.optim.low_precision_moments(optax.adam(3e-3), storage)
-    states = [o.init(float_params(model)) for o in (reference, compressed)]
+    states = [o.init(float_params(model)) for o in (optax.adam(3e-3), compressed)]
     moments = [
         leaf
         for leaf in jtu.tree_leaves(
@@ -120,21 +156,9 @@ def test_low_precision_moments_train_like_float32_moments(storage):
     assert all(m.values.dtype == expected for m in moments)
     assert sum(m.square_root for m in moments) == len(moments) // 2
 
-    def train(optimizer, state, steps=100):
-        @eqx.filter_jit
-        def step(model, state):
-            loss, grads = eqx.filter_value_and_grad(mse_loss)(model, x, y)
-            updates, state = optimizer.update(grads, state, model)
-            return eqx.apply_updates(model, updates), state, loss
-
-        m = model
-        for _ in range(steps):
-            m, state, loss = step(m, state)
-        return m, state, float(loss)
-
+    ref_model, ref_loss = _adam_reference_run()
     with jax.numpy_dtype_promotion("standard"):
-        ref_model, _, ref_loss = train(reference, states[0])
-        low_model, low_state, low_loss = train(compressed, states[1])
+        low_model, low_state, low_loss = _train(compressed, model, states[1], x, y)
     assert int(low_state.step) == 100
     # 100 Adam steps fitting noise: where the two runs land differs by a few
     # percent either way (measured: bfloat16 0.5%, 8-bit 3.7% lower), and the
@@ -149,14 +173,15 @@ def test_low_precision_moments_bytes_per_weight():
     params = {"w": jnp.ones((1024, 256)), "b": jnp.ones(256)}
     weights = 1024 * 256 + 256
 
-    def nbytes(state):
-        return sum(x.nbytes for x in jtu.tree_leaves(state) if eqx.is_array(x))
+    def nbytes(optimizer):
+        # The state's shapes and dtypes, traced without compiling or running the
+        # encoding of a quarter of a million zeros.
+        state = jax.eval_shape(optimizer.init, params)
+        return sum(x.size * x.dtype.itemsize for x in jtu.tree_leaves(state))
 
-    plain = nbytes(optax.adamw(1e-3).init(params))
-    bf16 = nbytes(eqx_amp.optim.low_precision_moments(optax.adamw(1e-3)).init(params))
-    int8 = nbytes(
-        eqx_amp.optim.low_precision_moments(optax.adamw(1e-3), "8bit").init(params)
-    )
+    plain = nbytes(optax.adamw(1e-3))
+    bf16 = nbytes(eqx_amp.optim.low_precision_moments(optax.adamw(1e-3)))
+    int8 = nbytes(eqx_amp.optim.low_precision_moments(optax.adamw(1e-3), "8bit"))
     assert plain / weights == pytest.approx(8, abs=0.01)
     assert bf16 / weights == pytest.approx(4, abs=0.01)
     assert int8 / weights == pytest.approx(2 + 8 / 256, abs=0.01)
@@ -186,16 +211,18 @@ def test_only_the_optimizers_moments_are_compressed():
     # Decided by the optimizer's field (`mu`), not the model's (`nu`).
     assert not adam.mu.nu.square_root and adam.nu.nu.square_root
     grads = StudentT(jnp.ones(4), -jnp.ones(4))
+    update = jax.jit(optimizer.update)
     with jax.numpy_dtype_promotion("standard"):
         for _ in range(3):
-            updates, state = optimizer.update(grads, state)
+            updates, state = update(grads, state)
     np.testing.assert_allclose(np.asarray(updates.nu), 0.1, rtol=0.05)
 
     # Accumulated gradients, slow weights: per-weight state that is not a moment.
     accumulating = eqx_amp.optim.low_precision_moments(
         optax.MultiSteps(optax.adam(1e-3), 4), "8bit"
     )
-    state = accumulating.init({"w": jnp.ones((4, 8))})
+    # (Abstractly: the state's structure and dtypes, without running the encodings.)
+    state = jax.eval_shape(accumulating.init, {"w": jnp.ones((4, 8))})
     assert state.inner_state.acc_grads["w"].dtype == jnp.float32
     assert isinstance(
         state.inner_state.inner_opt_state[0].mu["w"], eqx_amp.optim.QuantizedMoment
@@ -203,7 +230,7 @@ def test_only_the_optimizers_moments_are_compressed():
     schedule_free = eqx_amp.optim.low_precision_moments(
         optax.contrib.schedule_free_adamw(1e-3), "8bit"
     )
-    state = schedule_free.init({"w": jnp.ones((4, 8))})
+    state = jax.eval_shape(schedule_free.init, {"w": jnp.ones((4, 8))})
     assert state.inner_state.z["w"].dtype == jnp.float32  # a copy of the weights
     moments = [
         leaf
@@ -250,7 +277,10 @@ def test_low_precision_moments_and_master_weights_wrap_each_other(storage):
     # The whole model goes to `init`: outside `master_weights`, the moments are
     # shaped like its floating leaves, with `None` at the integer array and the
     # activation functions, and must still be found and compressed.
-    model = _Counted(small_mlp(jr.key(0), BF16), jnp.zeros((), jnp.int32))
+    # One hidden layer: each weight's moments are one 8-bit block, and each leaf
+    # adds its own encodings to the compiles of the two steps.
+    mlp = eqx_amp.cast_tree(eqx.nn.MLP(8, 4, 32, 1, key=jr.key(0)), BF16)
+    model = _Counted(mlp, jnp.zeros((), jnp.int32))
     x, y = regression_data(jr.key(1))
     lpm, master = eqx_amp.optim.low_precision_moments, eqx_amp.optim.master_weights
     outside = lpm(master(optax.adam(3e-3)), storage)
@@ -314,39 +344,41 @@ def test_eight_bit_second_moments_never_round_to_zero():
     # One large value in the block and many tiny ones: each tiny sqrt(nu) must
     # keep at least the smallest code, or its Adam step would be mu / eps.
     second = jnp.concatenate([jnp.ones(1), jnp.full((255,), 1e-17)])
-    decoded = jax.vmap(lambda k: _encode_decode(second, "8bit", True, k))(
+    decoded = jax.jit(jax.vmap(lambda k: _encode_decode(second, "8bit", True, k)))(
         jr.split(jr.key(0), 16)
     )
     assert float(jnp.min(decoded)) > 0
 
 
 def test_eight_bit_blocks_follow_the_last_axis():
-    from eqx_amp._optim._codec import encode
-
     moment = jr.normal(jr.key(0), (4, 512))
-    stored = encode(moment, "8bit", False, 256, jr.key(1))
+    stored = _encode(moment, "8bit", False, 256, jr.key(1))
     assert stored.values.shape == (4, 512) and stored.scales.shape == (4, 2)
     kernel = jr.normal(jr.key(0), (8, 4, 3, 3))  # 288 values: one padded run
-    stored = encode(kernel, "8bit", False, 256, jr.key(1))
+    stored = _encode(kernel, "8bit", False, 256, jr.key(1))
     assert stored.values.shape == (8, 4, 3, 3) and stored.scales.shape == (2,)
-    error = jnp.max(jnp.abs(stored.decode() - kernel)) / jnp.max(jnp.abs(kernel))
+    decoded = eqx.filter_jit(lambda stored: stored.decode())(stored)
+    error = jnp.max(jnp.abs(decoded - kernel)) / jnp.max(jnp.abs(kernel))
     assert float(error) < 0.02
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _block_statistics(moments, square_roots):
+    return block_statistics(list(zip(moments, square_roots)), 256)
 
 
 def test_eight_bit_block_statistics_in_one_pass():
     # One reduction finds each block's largest element (a NaN above every number,
     # the first of equals), its signed value and the largest magnitude of the
     # rest, for several moments at once: as an argmax and a max of the rest would.
-    from eqx_amp._optim._codec import block_statistics
-
     rng = np.random.default_rng(0)
     mu = rng.integers(-3, 4, (6, 512)).astype(np.float32)  # many ties
     mu[0, 5], mu[0, 9], mu[1, 300] = np.nan, np.nan, np.inf
     mu[2, :256] = -0.0
     mu[3, 17] = -7.0
     nu = (mu * mu)[::-1].copy()
-    together = block_statistics([(mu, False), (nu, True)], 256)
-    alone = [block_statistics([(x, r)], 256)[0] for x, r in ((mu, False), (nu, True))]
+    together = _block_statistics((mu, nu), (False, True))
+    alone = [_block_statistics((x,), (r,))[0] for x, r in ((mu, False), (nu, True))]
     for a, b in zip(together, alone):
         assert_bitwise_equal(a, b)
     for stats, x in zip(together, (mu, np.sqrt(nu))):
