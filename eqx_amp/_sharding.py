@@ -27,6 +27,7 @@ from ._core._axes import check_axis_name, unbound_axis_name_error
 from ._core._cast import cast_leaf, is_floating_array, widest_dtype
 from ._core._describe import describe, in_selected_modules, is_none
 from ._core._filters import FilterSpec, default_filter_spec, selection_mask
+from ._core._platform import with_cpu_form
 from ._core._policy import Policy, resolve_policy
 from ._core._wrapper import warn_once
 from ._jaxpr import _compat as compat
@@ -63,12 +64,15 @@ class _SumIn(Hook):
 
     def equation(self, eqn, invals, origins, frame, evaluate: Evaluate) -> list:
         if eqn.primitive in _MATMULS:
-            if jax.default_backend() == "cpu":
-                # XLA's CPU runtime has no half x half -> float32 matmul (it runs
-                # half matmuls in float32 anyway); float32 operands holding the
-                # half values give the same products and sums.
-                invals = cast_to(invals, [self.dtype] * len(invals))
-            return evaluate(invals, dict(eqn.params, preferred_element_type=self.dtype))
+            params = dict(eqn.params, preferred_element_type=self.dtype)
+            wide = [self.dtype] * len(invals)
+            # float32 operands holding the half values on a CPU (which runs half
+            # matmuls in float32 anyway): the same products and sums.
+            return with_cpu_form(
+                *invals,
+                cpu=lambda *vals: evaluate(cast_to(list(vals), wide), params),
+                default=lambda *vals: evaluate(list(vals), params),
+            )
         dtypes = {v.dtype for v in invals if is_floating_array(v)}
         if eqn.primitive in _SUMS:
             target = widest_dtype([self.dtype, *dtypes])

@@ -94,6 +94,22 @@ SCRIPT = textwrap.dedent(
             for model in ("gpt", "cnn")
         },
     }
+    # A float32 reduce dtype: the weight gradients' GEMMs read the compute dtype
+    # and write float32 (the float32 operands are the CPU's form only).
+    import equinox as eqx
+    policy = eqx_amp.get_policy("mixed_bfloat16").with_reduce_dtype(jnp.float32)
+    mlp = eqx.nn.MLP(256, 256, 512, 2, key=jax.random.key(0))
+    params, static = eqx.partition(mlp, eqx.is_inexact_array)
+    def reduce_loss(params, x):
+        model = eqx_amp.filter_amp(eqx.combine(params, static), policy=policy)
+        return jnp.mean(jax.vmap(model)(x).astype(jnp.float32) ** 2)
+    reduce_step = h100_aot.compile_for_h100(
+        jax.grad(reduce_loss), params, jnp.zeros((64, 256)), sharding=sharding,
+        triton_gemm=False,
+    )
+    out["reduce_dtype_gemms"] = sorted(
+        [list(p.reads), p.writes] for p in _gpu_hlo.products(reduce_step.as_text())
+    )
     devices = h100_aot.h100_devices(8)
     fsdp = {
         v: h100_aot.compile_fsdp_variant("gpt", v, "cpu", devices)
@@ -102,7 +118,6 @@ SCRIPT = textwrap.dedent(
     out["fsdp"] = {v: r["collectives"] for v, r in fsdp.items()}
     out["fsdp_all_reduces"] = {v: r["all_reduces"] for v, r in fsdp.items()}
     # The GPT's matrices an fp8 GEMM takes: its Linear layers' weights.
-    import equinox as eqx
     from _models import PRESETS, make_task
     model = make_task("gpt", PRESETS["cpu"]["gpt"]).model
     linears = [
@@ -304,3 +319,13 @@ def test_fp8_where_it_pays_is_not_slower_than_bfloat16(roofline):
     assert (
         0 < ours["gemm_flops"]["fp8"] < roofline["filter_amp_fp8"]["gemm_flops"]["fp8"]
     )
+
+
+def test_a_float32_reduce_dtype_keeps_half_gemms_writing_float32(compiled):
+    """Compiled for a GPU on a CPU host, a reduce dtype's weight-gradient GEMMs read
+    bfloat16 and write float32: the float32 operands XLA's CPU runtime needs are
+    chosen for CPU programs only."""
+    gemms = compiled["reduce_dtype_gemms"]
+    assert len(gemms) == 8  # 3 forward, 2 input gradients, 3 weight gradients
+    assert all(reads == ["bf16", "bf16"] for reads, _ in gemms)
+    assert sorted(writes for _, writes in gemms) == ["bf16"] * 5 + ["f32"] * 3

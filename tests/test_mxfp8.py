@@ -381,7 +381,7 @@ def test_the_jaxpr_holds_cudnn_and_portable_products(getkey):
         )(x, w)
     )
     assert "scaled_matmul_wrapper" in text and "scaled_dot[" in text
-    assert "branches_platforms=(('cuda',), ('cpu',), None)" in text
+    assert "branches_platforms=(('cpu',), ('cuda',), None)" in text
 
 
 def test_autocast_around_a_block_scaled_product(getkey):

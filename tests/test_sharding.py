@@ -197,6 +197,24 @@ def test_reduce_dtype_gradients_match_float32(path, getkey):
     )
 
 
+def test_reduce_dtype_report_counts_each_matmul_once_in_the_compute_dtype(getkey):
+    """A reduce dtype's matmuls have a CPU form (float32 operands holding the half
+    values) beside the one other platforms run: the report counts the latter, once."""
+    model, tokens = Tiny(getkey()), _tokens()
+    reports = {
+        name: eqx_amp.precision_report(
+            lambda m: eqx.filter_grad(PATHS["filter_amp"](policy))(m, tokens), model
+        )
+        for name, policy in (
+            ("default", eqx_amp.get_policy("mixed_bfloat16")),
+            ("reduced", BF16_F32_REDUCE),
+        )
+    }
+    assert reports["reduced"].matmul_flops == reports["default"].matmul_flops > 0
+    assert set(reports["reduced"].flops_by_dtypes) == {("bfloat16", "bfloat16")}
+    assert reports["reduced"].ops["dot_general"] == {("bfloat16", "bfloat16"): 6}
+
+
 def test_reduce_dtype_under_vmap_gives_one_weight_gradient_per_batch(getkey):
     """Under `jax.vmap` the weight gradient is one contraction over the batch, not
     one per example summed afterwards."""

@@ -15,8 +15,9 @@ from jax import lax
 
 from .._core._cast import is_floating_array, is_floating_dtype, is_half_dtype
 from .._core._describe import is_module
+from .._core._platform import CPU_FORM_SCOPE
 from .._filter_amp._first_call import unchecked
-from .._fp8 import DEQUANTIZED_SCOPE, FP8_SCOPE, FP8_SKIPPED_SCOPE, block_scaled_flops
+from .._fp8 import FP8_SCOPE, FP8_SKIPPED_SCOPE, block_scaled_flops
 from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import evaluate
 from .._jaxpr._hook import (
@@ -247,6 +248,13 @@ def dead_equations(closed: Any) -> dict[int, Any]:
     `id`, each equation kept alive with its entry."""
     dead: dict[int, Any] = {}
 
+    def bury(eqn: Any) -> None:
+        # Nothing inside a dead higher-order equation runs either.
+        dead[id(eqn)] = eqn
+        for sub in compat.sub_jaxprs(eqn.params):
+            for inner in compat.open_jaxpr(sub)[0].eqns:
+                bury(inner)
+
     def visit(jaxpr: Any, live_outputs: list[bool]) -> None:
         jaxpr, _ = compat.open_jaxpr(jaxpr)
         live = {
@@ -257,7 +265,7 @@ def dead_equations(closed: Any) -> dict[int, Any]:
         for eqn in reversed(jaxpr.eqns):
             used = [v in live for v in eqn.outvars]
             if not any(used) and not eqn.effects:
-                dead[id(eqn)] = eqn
+                bury(eqn)
                 continue
             one_for_one = eqn.primitive in _OUTPUTS_ONE_FOR_ONE
             for sub in compat.sub_jaxprs(eqn.params):
@@ -480,12 +488,12 @@ class _Census(Hook):
         return f"{what}, {where}"
 
     def _count(self, eqn: Any, frame: Frame, invals: list) -> None:
+        if CPU_FORM_SCOPE in frame.scopes:
+            return  # what the program runs on a CPU only, beside what it describes
         name = eqn.primitive.name
         in_dtypes = _dtype_names(eqn.invars)
         self.ops[name][in_dtypes] += 1
-        # The CPU's form of a block-scaled product is counted as the product itself,
-        # below.
-        if eqn.primitive in MATMUL_PRIMITIVES and DEQUANTIZED_SCOPE not in frame.scopes:
+        if eqn.primitive in MATMUL_PRIMITIVES:
             flops = matmul_flops(eqn) * frame.repeats
             self.matmul_flops += flops
             read = self._read_dtypes(eqn, invals)

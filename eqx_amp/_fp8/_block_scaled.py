@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
+from .._core._platform import with_cpu_form
 from ._products import FP8_SCOPE, free_axes
 from ._scaling import E4M3
 
@@ -42,10 +43,6 @@ E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 # The named scope inside `FP8_SCOPE` that block-scaled products run under: the
 # compiled GPU program's op names show it beside each cuDNN call.
 MXFP8_SCOPE = "mxfp8"
-# The scope of the CPU's form of a block-scaled product (a float32 dot of the
-# dequantised operands): reports count the block-scaled product once, as the CUDA
-# form, and not this dot beside it.
-DEQUANTIZED_SCOPE = "mxfp8_dequantized_on_cpu"
 # The dtypes JAX's block-scaled products emit.
 _PRODUCT_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.float16)))
 _E4M3_MAX = float(jnp.finfo(E4M3).max)
@@ -118,7 +115,6 @@ def _portable_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
     )
 
 
-@jax.named_scope(DEQUANTIZED_SCOPE)
 def _cpu_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
     def dequantized(values, scales):
         b, m, k = values.shape
@@ -141,7 +137,7 @@ def block_product(lhs, rhs, lhs_scales, rhs_scales, dtype) -> Array:
     as the program is lowered, so a CPU can compile for a GPU."""
     dtype = jnp.dtype(dtype)
     emit = dtype if dtype in _PRODUCT_DTYPES else jnp.dtype(jnp.float32)
-    out = lax.platform_dependent(
+    out = with_cpu_form(
         lhs,
         rhs,
         lhs_scales,
