@@ -261,15 +261,20 @@ def test_eight_bit_block_with_a_huge_gradient_keeps_the_others():
         np.testing.assert_allclose(got["w"], want["w"], atol=0.1 * 1e-3)
 
 
-_EDGE_BLOCKS = {
-    "largest": jnp.full(256, F32_MAX),
-    "largest of both signs": jnp.full(256, F32_MAX).at[::2].set(-F32_MAX),
-    "largest and small": jnp.linspace(1, 2, 256).at[7].set(F32_MAX),
-    "smallest normals": jnp.full(256, float(jnp.finfo(jnp.float32).tiny)),
-    "zeros": jnp.zeros(256).at[3].set(-0.0),
-    "one tiny": jnp.zeros(256).at[9].set(float(jnp.finfo(BF16).tiny)),
-    "ramp": jnp.linspace(-1, 1, 256),
-}
+@functools.cache
+@jax.jit
+def _edge_blocks():
+    # Built in one compiled program, once, when first needed (not op by op at
+    # import, in every worker).
+    return {
+        "largest": jnp.full(256, F32_MAX),
+        "largest of both signs": jnp.full(256, F32_MAX).at[::2].set(-F32_MAX),
+        "largest and small": jnp.linspace(1, 2, 256).at[7].set(F32_MAX),
+        "smallest normals": jnp.full(256, float(jnp.finfo(jnp.float32).tiny)),
+        "zeros": jnp.zeros(256).at[3].set(-0.0),
+        "one tiny": jnp.zeros(256).at[9].set(float(jnp.finfo(BF16).tiny)),
+        "ramp": jnp.linspace(-1, 1, 256),
+    }
 
 
 @pytest.mark.parametrize("square_root", [False, True])
@@ -300,7 +305,7 @@ def test_eight_bit_finite_blocks_decode_finite(square_root):
             second,
         )
 
-    for name, block in _EDGE_BLOCKS.items():
+    for name, block in _edge_blocks().items():
         block = jnp.abs(block) if square_root else block
         decoded = round_trip(block, jr.key(0))
         finite, largest_error, largest, rest_error, second = errors(block, decoded)
