@@ -15,7 +15,7 @@ from jax import lax
 from jaxtyping import Array
 
 from .._jaxpr import _compat as compat
-from ._scaling import E4M3, E5M2, quantize, unscale
+from ._scaling import E4M3, E5M2, quantize, quantize_and_amax, unscale
 
 
 # The named scope fp8 products run under, and the one products an fp8 rule left in
@@ -326,6 +326,46 @@ def fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
         dlhs = _rowwise_cotangent(cotangent, lhs, rhs, dims, True, grad_dtype)
         drhs = _rowwise_cotangent(cotangent, lhs, rhs, dims, False, grad_dtype)
         return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype)
+
+    matmul.defvjp(forward, backward)
+    return matmul
+
+
+def fp8_matmul_delayed(dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
+    """A tensorwise fp8 matmul with delayed scales (`_delayed`), called as
+    `matmul(lhs, rhs, known, delayed)`: both operands' fp8 forms `known`, and
+    `delayed = (g_scale, scales, amaxes)`, the output gradient's scale and the
+    scales whose cotangents are to be `amaxes` (the amaxes of the tensors they
+    quantised). The backward pass quantises the output gradient with `g_scale`,
+    takes its amax in the same pass and returns it as `g_scale`'s cotangent."""
+    grad_dtype = product_dtype(grad_dtype)
+
+    @jax.custom_vjp
+    def matmul(lhs, rhs, known, delayed):
+        return _fp8_forward(lhs, rhs, dims, "tensorwise", out_dtype, known)[0]
+
+    def forward(lhs, rhs, known, delayed):
+        out, residuals = _fp8_forward(lhs, rhs, dims, "tensorwise", out_dtype, known)
+        return out, (residuals, known, delayed)
+
+    @jax.named_scope(FP8_SCOPE)
+    def backward(residuals, cotangent):
+        residuals, known, (g_scale, scales, amaxes) = residuals
+        (ql, sl, qr, sr), cotangent = _first_order_only((residuals, cotangent))
+        qg, g_amax = quantize_and_amax(cotangent, g_scale, E5M2)
+        dlhs = _operand_cotangent(qg, qr, dims, ql.ndim, True, grad_dtype)
+        drhs = _operand_cotangent(qg, ql, dims, qr.ndim, False, grad_dtype)
+        inverse_g = 1.0 / g_scale
+        dlhs, drhs = dlhs.astype(jnp.float32), drhs.astype(jnp.float32)
+        dlhs = unscale(dlhs, inverse_g, 1.0 / sr.reshape(()))
+        drhs = unscale(drhs, inverse_g, 1.0 / sl.reshape(()))
+        handed_out = (g_amax, tuple(amaxes), jax.tree.map(jnp.zeros_like, amaxes))
+        return (
+            dlhs.astype(lhs_dtype),
+            drhs.astype(rhs_dtype),
+            jax.tree.map(jnp.zeros_like, known),
+            handed_out,
+        )
 
     matmul.defvjp(forward, backward)
     return matmul

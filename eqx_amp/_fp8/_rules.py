@@ -18,6 +18,7 @@ from .._jaxpr._evaluate import batched_like, evaluate_function
 from .._jaxpr._hook import Hook, Origin
 from .._jaxpr._outer_vmap import batched_after_tracing
 from ._block_scaled import BLOCK, mxfp8_matmul
+from ._delayed import current_supply, delayed_matmul
 from ._products import (
     FP8_SCOPE,
     FP8_SKIPPED_SCOPE,
@@ -330,6 +331,8 @@ def matmul_in_fp8(
         (tuple(lhs_batch), tuple(rhs_batch)),
     )
     if compat.is_batched(lhs) or compat.is_batched(rhs):
+        if current_supply() is not None:
+            raise NotImplementedError(_DELAYED_BATCHED)
         params = {"dimension_numbers": dims}
         return _batched_as_one(
             lax.dot_general_p,
@@ -353,11 +356,22 @@ def matmul_in_fp8(
         return mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype)(
             lhs, rhs
         )
+    supply = current_supply()
+    if supply is not None and scaling == "tensorwise":
+        return delayed_matmul(
+            supply, lhs, rhs, dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype
+        )
     matmul = fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype, grad_dtype)
     known = (None, None)
     if scaling == "tensorwise":
         known = (known_fp8(lhs), known_fp8(rhs))
     return matmul(lhs, rhs, known)
+
+
+_DELAYED_BATCHED = (
+    "Delayed fp8 scales reach the products of a program traced unbatched only: apply "
+    "the wrapper outside the vmap, `filter_amp(eqx.filter_vmap(model), fp8=...)`."
+)
 
 
 def _batched_as_one(
@@ -474,6 +488,17 @@ def quantize_weights_once(
     if not weights:
         return
     cast = [w if compute_dtype is None else w.astype(compute_dtype) for w in weights]
+    supply = current_supply()
+    if supply is not None and supply.delays_weights:
+        # Delayed: the scales are given; the amaxes are handed out by the first
+        # product reading each weight.
+        amaxes = _weight_amaxes(cast)
+        for weight, w, amax in zip(weights, cast, amaxes):
+            scale = supply.weight_scale()
+            quantized = _quantize_weight(w, lax.stop_gradient(scale))
+            remember_fp8(weight, quantized, lax.stop_gradient(scale))
+            supply.weight_quantized(weight, scale, amax)
+        return
     # All the scales as one op: each weight's amax is needed at the same point, so
     # XLA combines their all-reduces into one (scales computed apart let it pair
     # each with a product's amax instead).

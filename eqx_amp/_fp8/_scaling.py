@@ -63,6 +63,14 @@ def quantize(x: Array, dtype: np.dtype, axes: tuple[int, ...]) -> tuple[Array, A
     return quantize_with(x, scale, dtype), scale
 
 
+def quantize_and_amax(x: Array, scale: Array, dtype) -> tuple[Array, Array]:
+    """`x` in `dtype` with the given `scale` (saturating), and `x`'s finite amax
+    (a float32 scalar), both without a derivative: one pass over `x` once fused."""
+    x = lax.stop_gradient(x)
+    quantized = quantize_with(x, lax.stop_gradient(scale), dtype)
+    return quantized, finite_amax(x, tuple(range(x.ndim))).reshape(())
+
+
 def unscale(product: Array, inverse_a: Array, inverse_b: Array) -> Array:
     """`product * inverse_a * inverse_b` (positive inverse scales, broadcast to the
     product) without leaving float32's range on the way: the two inverses as one
