@@ -396,15 +396,16 @@ def test_axis_name_averages_over_vmap(model, batch):
     def per_example(x, y):
         return g(model, x[None], y[None], loss_scale=scale)
 
-    (values, grads), new_scales, finite = jax.vmap(per_example, axis_name="batch")(x, y)
-    ref_value, ref_grads = eqx.filter_value_and_grad(mse)(model, x, y)
+    step = jax.jit(jax.vmap(per_example, axis_name="batch"))
+    (values, grads), new_scales, finite = step(x, y)
+    ref_value, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(mse))(model, x, y)
     np.testing.assert_allclose(values, float(ref_value), rtol=1e-5)
     first = jax.tree_util.tree_map(lambda g: g[0], grads)
     _assert_close(first, ref_grads, rtol=1e-5)
     assert finite.tolist() == [True] * 8
 
     x = x.at[5, 2].set(jnp.nan)
-    _, new_scales, finite = jax.vmap(per_example, axis_name="batch")(x, y)
+    _, new_scales, finite = step(x, y)
     assert finite.tolist() == [False] * 8
     assert new_scales.loss_scale.tolist() == [2.0**7] * 8
 

@@ -118,10 +118,17 @@ def _bound(x, w):
     return np.abs(x) @ dw + dx @ np.abs(w) + dx @ dw
 
 
+# One compile per shape and setting (eager products dispatch op by op); the
+# eager path has its own test, `test_jit_matches_eager`.
+_jitted = jax.jit(
+    eqx_amp.fp8.dot_general, static_argnums=2, static_argnames=("scaling", "out_dtype")
+)
+
+
 def test_error_against_float32_within_the_mxfp8_bound(getkey):
     x = jr.normal(getkey(), (64, 256)) * jnp.exp(3 * jr.normal(getkey(), (64, 256)))
     w = jr.normal(getkey(), (256, 32))
-    y = eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8", out_dtype=jnp.float32)
+    y = _jitted(x, w, MATMUL, scaling="mxfp8", out_dtype=jnp.float32)
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     error = np.abs(np.asarray(y, np.float64) - exact)
     bound = _bound(x, w) * (1 + 1e-4) + 1e-6 * np.abs(exact)
@@ -132,9 +139,7 @@ def test_error_against_float32_within_the_mxfp8_bound(getkey):
     x = x.at[0].multiply(1e6).at[1].multiply(1e-6)
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     for scaling, worst in (("mxfp8", 0.1), ("tensorwise", None)):
-        y = eqx_amp.fp8.dot_general(
-            x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32
-        )
+        y = _jitted(x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32)
         relative = np.abs(np.asarray(y[1]) - exact[1]).max() / np.abs(exact[1]).max()
         assert relative < worst if worst else relative > 0.5
 
@@ -236,13 +241,17 @@ def test_dimension_numbers(getkey, dims, lhs_shape, rhs_shape):
 def test_bfloat16_in_and_out(getkey):
     x = jr.normal(getkey(), (32, 64), jnp.bfloat16)
     w = jr.normal(getkey(), (64, 32), jnp.bfloat16)
-    y = eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8")
+    y = _jitted(x, w, MATMUL, scaling="mxfp8")
     assert y.dtype == jnp.bfloat16
-    dx, dw = jax.grad(
-        lambda x, w: jnp.sum(
-            eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8").astype(jnp.float32)
-        ),
-        (0, 1),
+    dx, dw = jax.jit(
+        jax.grad(
+            lambda x, w: jnp.sum(
+                eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8").astype(
+                    jnp.float32
+                )
+            ),
+            (0, 1),
+        )
     )(x, w)
     assert dx.dtype == dw.dtype == jnp.bfloat16
 
@@ -270,9 +279,9 @@ def test_second_order_refused(getkey):
     def loss(w):
         return jnp.sum(eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8") ** 2)
 
-    jax.grad(loss)(w)
+    jax.jit(jax.grad(loss))(w)
     with pytest.raises(NotImplementedError, match="first-order derivatives only"):
-        jax.hessian(loss)(w)
+        jax.jit(jax.hessian(loss))(w)
 
 
 def test_jit_matches_eager(getkey):

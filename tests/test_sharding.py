@@ -400,11 +400,13 @@ def test_average_refuses_sharded_parameters_and_can_be_turned_off(getkey):
             )(shards, x, loss_scale=eqx_amp.NoOpLossScale())
             return g, finite
 
-        return jax.shard_map(
-            grads,
-            mesh=_one_device_mesh(),
-            in_specs=(specs, P()),
-            out_specs=(specs, P()),
+        return jax.jit(
+            jax.shard_map(
+                grads,
+                mesh=_one_device_mesh(),
+                in_specs=(specs, P()),
+                out_specs=(specs, P()),
+            )
         )
 
     with pytest.raises(
