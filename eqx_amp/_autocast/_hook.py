@@ -11,6 +11,7 @@ from jax import lax
 from .._core._cast import is_floating_array, is_floating_dtype, widest_dtype
 from .._fp8 import (
     FP8_PRIMITIVES,
+    FP8_SCOPE,
     FP8_SKIPPED_SCOPE,
     Fp8Rule,
     known_fp8,
@@ -95,6 +96,10 @@ class _JaxprCasts(Hook):
         return outs
 
     def _first_order(self, eqn, invals, origins, frame, evaluate) -> list:
+        if FP8_SCOPE in frame.scopes:
+            # An fp8 product's own arithmetic (scales, quantisation, its dots and
+            # their CPU forms) has its dtypes by design.
+            return evaluate(invals)
         original = traced_dtypes(eqn.invars)
         rule = self._rules.lookup(eqn.primitive, frame.scopes)
         if isinstance(rule, Fp8Rule):
