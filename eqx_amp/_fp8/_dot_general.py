@@ -85,4 +85,9 @@ def dot_general(
             f"`out_dtype` must be bfloat16, float16 or wider, not {out_dtype.name}: "
             "the product is accumulated in float32 and returned in it."
         )
-    return matmul_in_fp8(lhs, rhs, dimension_numbers, scaling, out_dtype, False)
+    # The backward products emit `out_dtype` too (float32 where its range is too
+    # small for their still-scaled sums): with power-of-two scales, rounding them
+    # before unscaling gives the numbers rounding after would.
+    return matmul_in_fp8(
+        lhs, rhs, dimension_numbers, scaling, out_dtype, False, grad_dtype=out_dtype
+    )
