@@ -32,6 +32,8 @@ import numpy as np
 import pytest
 
 import eqx_amp
+from eqx_amp._jaxpr._evaluate import evaluate
+from eqx_amp._jaxpr._hook import Hook
 
 from .helpers import walk_eqns
 
@@ -183,6 +185,36 @@ def test_a_nonfinite_element_is_seen_and_leaves_the_other_rows_right(scaling, ba
     g_ref, w_ref = np.asarray(g, np.float64), np.asarray(w, np.float64)
     bound = _bound(g_ref, w_ref.T, FORMAT_E5M2, FORMAT_E4M3)
     assert (np.abs(dx[rows] - (g_ref @ w_ref.T)[rows]) <= bound[rows]).all()
+
+
+class _SaturatingFp8Conversion(Hook):
+    """Converts to fp8 as a GPU does (PTX `cvt...satfinite`): inf becomes the
+    largest finite value; NaN stays NaN."""
+
+    def equation(self, eqn, invals, origins, frame, evaluate):
+        new = eqn.params.get("new_dtype")
+        if eqn.primitive.name == "convert_element_type" and new in (E4M3, E5M2):
+            (x,) = invals
+            largest = float(jnp.finfo(new).max)
+            return [jnp.clip(x, -largest, largest).astype(new)]
+        return evaluate(invals)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_an_inf_stays_non_finite_where_fp8_conversion_saturates(scaling):
+    """On an H100 an inf in an operand gave a finite product: the conversion to fp8
+    saturates inf to 448, so an overflow upstream vanished (and a loss scale would
+    never see it). Non-finite values are made NaN before the conversion."""
+    x, w, g = (
+        _normal(jr.key(i), s) for i, s in enumerate([(16, 48), (48, 32), (16, 32)])
+    )
+    x = x.at[2, 3].set(jnp.inf)
+    g = g.at[5, 4].set(-jnp.inf)
+    closed = jax.make_jaxpr(ft.partial(_product_and_grads, scaling=scaling))(x, w, g)
+    y, dx, dw = evaluate(closed, [x, w, g], _SaturatingFp8Conversion())[0]
+    assert not np.isfinite(y[2]).any() and np.isfinite(np.delete(y, 2, 0)).all()
+    assert not np.isfinite(dx[5]).any()
+    assert not np.isfinite(dw[3]).any() and not np.isfinite(dw[:, 4]).any()
 
 
 SHAPES = {
@@ -347,14 +379,50 @@ def test_every_product_of_a_step_reads_fp8_arrays(scaling):
     fp8 GEMM, and conversions up in front of a dot can be dropped by XLA once it
     merges dots; every product reads fp8 arrays, each backward product quantised
     per row of its own."""
-    x, w, g = _case("zeros")
-    x = _normal(jr.key(15), (M, K))
+    x, w, g = (
+        _normal(jr.key(i), s) for i, s in enumerate([(16, 48), (48, 32), (16, 32)])
+    )
     jaxpr = jax.make_jaxpr(ft.partial(_product_and_grads, scaling=scaling))(x, w, g)
     products = _operands_of_products(jaxpr)
     assert len(products) == 3
     assert sorted(map(sorted, products)) == sorted(
         [sorted([E4M3, E4M3]), sorted([E5M2, E4M3]), sorted([E5M2, E4M3])]
     )
+
+
+def _converted_from(jaxpr):
+    """For each dot_general, the dtypes its operands were converted from (their own
+    dtype where no `convert_element_type` made them)."""
+    made_by = {}
+    for eqn, _ in walk_eqns(jaxpr):
+        if eqn.primitive.name == "convert_element_type":
+            made_by[eqn.outvars[0]] = eqn.invars[0].aval.dtype
+    return [
+        tuple(made_by.get(v, v.aval.dtype) for v in eqn.invars)
+        for eqn, _ in walk_eqns(jaxpr)
+        if eqn.primitive.name == "dot_general"
+    ]
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_products_no_fp8_gemm_takes_multiply_fp8_values_in_float32(scaling):
+    """On an H100, XLA turned an fp8 product of sizes no fp8 GEMM takes (5 x 12 x 7
+    here) into one of float16 operands, whose products overflowed at fp8's scales:
+    inf and NaN gradients from ordinary inputs. Such products read their fp8 values
+    converted to float32 (exact) and accumulate at HIGHEST precision."""
+    x, w, g = (_normal(jr.key(i), s) for i, s in enumerate([(M, K), (K, N), (M, N)]))
+    jaxpr = jax.make_jaxpr(ft.partial(_product_and_grads, scaling=scaling))(x, w, g)
+    dots = [e for e, _ in walk_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) == 3
+    for eqn in dots:
+        assert all(v.aval.dtype == jnp.float32 for v in eqn.invars)
+        assert eqn.params["precision"] == (jax.lax.Precision.HIGHEST,) * 2
+    assert sorted(map(sorted, _converted_from(jaxpr))) == sorted(
+        [sorted([E4M3, E4M3]), sorted([E5M2, E4M3]), sorted([E5M2, E4M3])]
+    )
+    # The numbers of the fp8 GEMM (on a CPU, an exact float32 sum of the products).
+    y, dx, dw = _step(x, w, g, scaling)
+    _check_within_bounds(x, w, g, y, dx, dw)
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)

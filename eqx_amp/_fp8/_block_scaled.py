@@ -33,12 +33,11 @@ from jax import lax
 from jaxtyping import Array
 
 from .._core._platform import with_cpu_form
-from ._products import FP8_SCOPE, free_axes
+from ._products import FP8_SCOPE
 from ._scaling import E4M3
+from ._shapes import BLOCK, free_axes
 
 
-# Values per scale, along the contracting dimension.
-BLOCK = 32
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 # The named scope inside `FP8_SCOPE` that block-scaled products run under: the
 # compiled GPU program's op names show it beside each cuDNN call.

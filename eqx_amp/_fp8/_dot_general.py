@@ -28,11 +28,13 @@ def dot_general(
     with the fp8 operands (tensorwise: the saved ones; rowwise: both quantised
     again per row of each backward product, so that every scale comes out of it).
     Scales are at most 2**126 (tiny and zero tensors stay finite) and come from the
-    finite values: an inf or NaN element gives non-finite outputs where float32
-    would. First-order derivatives only: differentiating the backward pass again
-    raises `NotImplementedError`. Under `jax.vmap` the scales cover the whole
-    batch, as for the batched matmul; under GSPMD their amax is reduced across
-    devices.
+    finite values: an inf or NaN element becomes NaN in fp8 and gives non-finite
+    outputs where float32 would. Any shape is taken; where no fp8 GEMM takes the
+    product (a size not a multiple of 16), its fp8 values are multiplied in
+    float32, exactly. First-order derivatives only: differentiating the backward
+    pass again raises `NotImplementedError`. Under `jax.vmap` the scales cover the
+    whole batch, as for the batched matmul; under GSPMD their amax is reduced
+    across devices.
 
     With `scaling="mxfp8"` the product is block-scaled (MXFP8): each block of 32
     values along the contracting axes gets its own power-of-two (e8m0) scale, the

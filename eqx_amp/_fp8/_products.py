@@ -5,7 +5,7 @@ import contextlib
 import contextvars
 import functools as ft
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -16,6 +16,7 @@ from jaxtyping import Array
 
 from .._jaxpr import _compat as compat
 from ._scaling import E4M3, E5M2, quantize, quantize_and_amax, unscale
+from ._shapes import fp8_eligible, free_axes
 
 
 # The named scope fp8 products run under, and the one products an fp8 rule left in
@@ -91,10 +92,6 @@ def known_fp8(array: Any) -> tuple[Array, Array] | None:
     if quantized is None or scale is None or quantized.shape != array.shape:
         return None
     return quantized, jnp.reshape(scale, (1,) * array.ndim)
-
-
-def free_axes(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> list[int]:
-    return [i for i in range(ndim) if i not in contracting and i not in batch]
 
 
 def _laid_out(scale: Array, axis_map: dict[int, int], ndim: int) -> Array:
@@ -176,6 +173,18 @@ def _fp8_product(
     above bfloat16's loss after 14 steps, and 0.06% with HIGHEST, at the same step
     time (`benchmarks/RESULTS.md`, the GPU section). The forward products keep fast accumulation
     (short sums), as Transformer Engine's recipe does."""
+    if fp8_eligible(lhs.shape, rhs.shape, dims) is not None:
+        # No fp8 GEMM takes this shape. Handed to XLA as it is, an H100 turns
+        # the product into one of float16 operands, whose products overflow at
+        # these scales (448 * 57344 > 65504): inf and NaN where float32 is finite
+        # (measured: `benchmarks/gpu_fp8_fallback.py`). The fp8 values are
+        # multiplied in float32 instead, exactly, as a CPU does.
+        lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+        product = lax.dot_general(
+            lhs, rhs, dims, precision=lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+        return product.astype(dtype)
     precision = lax.Precision.HIGHEST if backward else None
     return lax.dot_general(
         lhs, rhs, dims, precision=precision, preferred_element_type=dtype

@@ -17,7 +17,7 @@ from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import batched_like, evaluate_function
 from .._jaxpr._hook import Hook, Origin
 from .._jaxpr._outer_vmap import batched_after_tracing
-from ._block_scaled import BLOCK, mxfp8_matmul
+from ._block_scaled import mxfp8_matmul
 from ._delayed import current_supply, delayed_matmul
 from ._products import (
     FP8_SCOPE,
@@ -31,6 +31,7 @@ from ._products import (
 )
 from ._scaling import E4M3, finite_amax, quantize_with, scale_from_amax
 from ._shapes import (
+    BLOCK,
     FP8_MULTIPLE,
     fp8_conv_eligible,
     fp8_cost_reason,

@@ -47,13 +47,17 @@ def scale_from_amax(amax: Array, dtype: np.dtype) -> Array:
 
 
 def quantize_with(x: Array, scale: Array, dtype: np.dtype) -> Array:
-    """`x * scale` in `dtype`, clipped to its finite range."""
+    """`x * scale` in `dtype`, clipped to its finite range; an inf or NaN element
+    becomes NaN."""
     largest = float(jnp.finfo(dtype).max)
     scaled = x.astype(jnp.float32) * scale
     # Rounding can step just past the largest finite value, which e4m3fn would make
-    # NaN; inf and NaN pass on (inf becomes NaN in e4m3fn, which has no inf).
+    # NaN: finite values are clipped. A non-finite one is made NaN here rather than
+    # left to the conversion: a GPU converts with saturation (PTX's `satfinite`),
+    # which turns inf into the largest finite fp8 value, so an overflow upstream
+    # would vanish into a finite product on an H100 and stay visible on a CPU.
     clipped = jnp.clip(scaled, -largest, largest)
-    scaled = jnp.where(jnp.isfinite(scaled), clipped, scaled)
+    scaled = jnp.where(jnp.isfinite(scaled), clipped, jnp.nan)
     return scaled.astype(dtype)
 
 

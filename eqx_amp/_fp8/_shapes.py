@@ -1,14 +1,21 @@
 """Which products an fp8 kernel takes (shapes), and which pay for their quantisation
 (an H100 estimate from the shapes, for `rule.where_it_pays()`)."""
 
-import numpy as np
+from collections.abc import Sequence
 
-from ._block_scaled import BLOCK
-from ._products import free_axes
+import numpy as np
 
 
 # fp8 GEMMs (cuBLASLt on Hopper) need every dimension to be a multiple of 16.
 FP8_MULTIPLE = 16
+# MXFP8: values per scale, along the contracting dimension.
+BLOCK = 32
+
+
+def free_axes(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> list[int]:
+    """The axes of an operand of `ndim` axes that a product neither contracts nor
+    batches over."""
+    return [i for i in range(ndim) if i not in contracting and i not in batch]
 
 
 def fp8_conv_eligible(rhs_shape, params: dict) -> str | None:
