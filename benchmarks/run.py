@@ -131,6 +131,8 @@ def run_model(name: str, config, variants: list[Variant], args) -> dict:
             if r == 0:
                 first[v.name] = (built, out)
             timings[v.name].append((out["trace_lower_s"], out["compile_s"]))
+            print(f"   {v.name}: traced+lowered in {out['trace_lower_s']:.1f} s, "
+                  f"compiled in {out['compile_s']:.1f} s", flush=True)  # fmt: skip
         print(f"   trace+compile round {r + 1}/{args.repeats} done", flush=True)
     ok = [v for v in live if results[v.name]["status"] == "ok"]
 
