@@ -100,7 +100,7 @@ SCRIPT = textwrap.dedent(
             text = h100_aot.compile_for_h100(
                 step, x, w, g, sharding=sharding
             ).as_text()
-            out[name] = len(re.findall(r"\bf16\[", text))
+            out[name] = len(re.findall(r"\\bf16\\[", text))
         return out
 
     out = {
