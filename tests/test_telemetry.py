@@ -87,11 +87,11 @@ def test_cast_statistics_match_a_float32_reference():
 
 @pytest.mark.filterwarnings("ignore:`filter_amp` casts the weights")
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")
-def test_large_tensors_sampled_fractions_exact_flags():
-    # 256 x 512 values, 32 times the sample: the sample has 4096 values at a stride
-    # coprime with the row length (33), so it visits every column 8 times (+-1).
-    # Columns 0-63 (1/8) hold float16 subnormals, column 100 values that flush;
-    # one value in the whole tensor is past float16's range and one is inf.
+def test_large_tensors_fractions_are_exact():
+    # Every value is counted (it once was a strided sample of 4096 values, which a
+    # lone overflow could slip through). Columns 0-63 (1/8) hold float16 subnormals,
+    # column 100 values that flush; one value in the whole tensor is past float16's
+    # range and one is inf.
     rows, cols = 256, 512
     weight = np.full((rows, cols), 0.5, np.float32)
     weight[:, :64] = 1e-6
@@ -107,13 +107,12 @@ def test_large_tensors_sampled_fractions_exact_flags():
     _, tel = jax.jit(telemetry(lambda m, x: m(x)))(amp, jnp.ones(cols))
     stats = _row(tel, "m", "weight", at_cast=True)
     n = weight.size
-    assert float(stats.size) == n and 3000 <= float(stats.sample) <= 4096
-    # Each column's share of the sample is off by at most one value: 1/8 of the
-    # columns is off by at most 64 values, one column by at most one.
-    np.testing.assert_allclose(stats.subnormal, 1 / 8, atol=64 / float(stats.sample))
-    np.testing.assert_allclose(stats.underflow, 1 / cols, atol=1 / float(stats.sample))
-    # The flags are exact: one overflow and one inf, missed or not by the sample.
-    assert float(stats.overflow) >= 1 / n and float(stats.nonfinite) >= 1 / n
+    assert float(stats.size) == n and float(stats.sample) == n
+    # float32 divisions of exact counts: 1/8 and 1/512 less the two special values.
+    np.testing.assert_allclose(stats.subnormal, (64 * rows - 2) / n, rtol=1e-6)
+    np.testing.assert_allclose(stats.underflow, rows / n, rtol=1e-6)
+    np.testing.assert_allclose(stats.overflow, 1 / n, rtol=1e-6)
+    np.testing.assert_allclose(stats.nonfinite, 2 / n, rtol=1e-6)  # inf, and 1e5 in f16
     assert float(stats.amax) == np.inf
 
 
@@ -483,7 +482,7 @@ def test_the_api_reference_promises_what_the_guide_does():
         "NaN when the tensor holds a NaN",
         "an inf or NaN is not an overflow",
         "at least one value's share",
-        "at most 4096 values per tensor",
+        "counted in every value of the tensor",
     ):
         assert promise in api and promise in guide_text, promise
     assert "NaN ignored" not in api
@@ -554,3 +553,39 @@ def test_a_checkpointed_forward_recomputed_in_the_backward_is_measured_once(
             np.testing.assert_allclose(
                 getattr(checkpointed[key], field), getattr(stats, field), err_msg=key
             )
+
+
+@pytest.mark.parametrize(
+    "dtype", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+)
+def test_what_a_cast_makes_is_read_from_the_values_before_it(dtype):
+    """At a cast the counts are read from the values before it (one pass over one
+    tensor): they must be what the cast makes, at every boundary, ties included."""
+    from eqx_amp._diagnostics._measure import _held, _magnitude_bits
+
+    finfo = jnp.finfo(dtype)
+    tiny, smallest, largest = (
+        float(finfo.smallest_subnormal),
+        float(finfo.smallest_normal),
+        float(finfo.max),
+    )
+    edges = [tiny / 2, tiny, smallest - tiny / 2, smallest, largest]
+    edges += [float(np.nextafter(np.float32(largest), np.float32(np.inf)))]
+    below = [float(np.nextafter(np.float32(e), np.float32(0))) for e in edges]
+    above = [float(np.nextafter(np.float32(e), np.float32(np.inf))) for e in edges]
+    values = np.array(
+        [0.0, 1e-45, 3e-39, 1.0, 1e30, np.inf, np.nan, *edges, *below, *above]
+        + list(np.random.default_rng(0).lognormal(0, 30, 2000)),
+        np.float32,
+    )
+    values = np.concatenate([values, -values])
+    cast = np.asarray(jnp.asarray(values).astype(dtype)).astype(np.float32)
+    held = np.abs(cast)
+    subnormal, nonfinite, flushed, saturated = (
+        np.asarray(m) for m in _held(_magnitude_bits(jnp.asarray(values)), dtype, True)
+    )
+    finite = np.isfinite(values)
+    np.testing.assert_array_equal(subnormal, (held > 0) & (held < smallest))
+    np.testing.assert_array_equal(nonfinite, ~np.isfinite(held))
+    np.testing.assert_array_equal(flushed, finite & (values != 0) & (held == 0))
+    np.testing.assert_array_equal(saturated, finite & (np.abs(values) > largest))

@@ -48,17 +48,13 @@ class Site:
     layer: Path | None = None
 
 
-# Underflow and subnormal fractions are estimated from at most this many values of
-# each tensor, taken at a fixed stride (exact for smaller tensors).
-SAMPLE_SIZE = 4096
-
-
 class Measured(eqx.Module):
     """The statistics of one site, as traced values: counts of values (float32, so
     that they sum across devices and scan iterations without overflowing), the
     largest magnitude, and the fp8 scale. `flushed`, `subnormal`, `saturated` and
-    `nonfinite` count values of a sample of `sampled` values; `any_saturated` and
-    `any_nonfinite` (0 or 1) say exactly whether the whole tensor holds such a value.
+    `nonfinite` count values of the tensor, `sampled` the values counted (all of
+    them); `any_saturated` and `any_nonfinite` (0 or 1) say whether it holds such a
+    value.
     Each `stack` entry is a leading axis (one entry per scan iteration), given by the
     paths of the parameters that scan iterates over (`index_position` finds where in
     the layer's path its index goes). `same_along` are the `shard_map` axes along
@@ -80,26 +76,6 @@ class Measured(eqx.Module):
 
     COUNTS = ("size", "sampled", "flushed", "subnormal", "saturated", "nonfinite")
     FLAGS = ("amax", "any_saturated", "any_nonfinite")  # combined by their maximum
-
-
-def _stride(shape: tuple[int, ...]) -> int:
-    """The stride of a tensor's sample: at most `SAMPLE_SIZE` values of the
-    flattened tensor, the stride coprime with its last axis, so that the sample
-    visits every column (a stride that is a multiple of the row length would read
-    one column only)."""
-    size = int(np.prod(shape))
-    stride = max(1, -(-size // SAMPLE_SIZE))
-    last = shape[-1] if shape else 1
-    while stride > 1 and np.gcd(stride, last) != 1:
-        stride += 1
-    return stride
-
-
-def _sample(x: Array, stride: int) -> Array:
-    flat = x.reshape(-1)
-    if stride == 1:
-        return flat
-    return lax.slice(flat, (0,), ((flat.size - 1) // stride * stride + 1,), (stride,))
 
 
 def _rounds_to_inf(dtype: Any) -> float:
@@ -138,17 +114,59 @@ def _amax(magnitude: Array, scale: Array | None) -> Array:
     return _from_bits(jnp.max(magnitude)) / jnp.min(scale)
 
 
-def _saturates(magnitude: Array, amax: Array, largest: float) -> Array:
-    """Whether a finite value of `magnitude` (`_magnitude_bits`) is past `largest`.
-    An inf or NaN amax hides the largest finite value: only then does a second pass
-    over the tensor run (`lax.cond`), to look for one."""
-    limit = np.float32(largest).view(np.int32)
-    inf = np.float32(np.inf).view(np.int32)
+# The int32 bit pattern of float32's inf: magnitudes (`_magnitude_bits`) below it
+# are finite.
+_INF_BITS = int(np.float32(np.inf).view(np.int32))
 
-    def look() -> Array:
-        return jnp.any((magnitude > limit) & (magnitude < inf))
 
-    return lax.cond(jnp.isfinite(amax), lambda: amax > largest, look)
+def _bits_of(magnitude: float) -> int:
+    return int(np.float32(magnitude).view(np.int32))
+
+
+def _held(magnitude: Array, dtype: Any, at_cast: bool) -> list[Array]:
+    """Masks of the values `magnitude` (`_magnitude_bits`) that `dtype` holds as
+    subnormals and as inf or NaN; at a cast into `dtype` (`magnitude` of the values
+    before it), also of those it flushes to zero and those past its largest finite
+    value (saturated, or overflowed to inf: NaN in e4m3fn)."""
+    finfo = jnp.finfo(dtype)
+    tiny, smallest = float(finfo.smallest_subnormal), float(finfo.smallest_normal)
+    if not at_cast:
+        return [
+            (magnitude > 0) & (magnitude < _bits_of(smallest)),
+            magnitude >= _INF_BITS,
+        ]
+    # Rounding to nearest, ties to even: half the smallest subnormal rounds to zero
+    # (even) and half a subnormal step below the smallest normal rounds up to it.
+    flushed_up_to = _bits_of(tiny / 2)
+    finite = magnitude < _INF_BITS
+    return [
+        (magnitude > flushed_up_to) & (magnitude < _bits_of(smallest - tiny / 2)),
+        magnitude >= min(_bits_of(_rounds_to_inf(dtype)), _INF_BITS),
+        (magnitude > 0) & (magnitude <= flushed_up_to),
+        finite & (magnitude > _bits_of(float(finfo.max))),
+    ]
+
+
+def _reduce_whole(maxima: list[Array], sums: list[Array]) -> tuple[list, list]:
+    """The largest value of each of `maxima` (int32, at least 0) and the sum of each
+    of `sums` (float32) over every axis, as one variadic reduction: XLA makes one
+    pass of it over the tensor (a second, tiny one for a large tensor), fused with
+    the kernel that writes the tensor where it can, rather than one pass per
+    statistic."""
+    operands = (*maxima, *sums)
+    if operands[0].size == 0:
+        zero_int, zero = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
+        return [zero_int] * len(maxima), [zero] * len(sums)
+    n = len(maxima)
+
+    def combine_two(a, b):
+        return tuple(
+            jnp.maximum(x, y) if i < n else x + y for i, (x, y) in enumerate(zip(a, b))
+        )
+
+    init = (np.int32(0),) * n + (np.float32(0),) * len(sums)
+    out = lax.reduce(operands, init, combine_two, tuple(range(operands[0].ndim)))
+    return list(out[:n]), list(out[n:])
 
 
 def _statistics(
@@ -161,55 +179,46 @@ def _statistics(
     """`value` as the program holds it (in its half or fp8 dtype); `source`, when
     `value` was cast from it, the wider value before the cast.
 
-    One max pass over the tensor gives its largest magnitude exactly, and with it
-    whether it holds an inf or NaN or (at a cast) values too large for the dtype.
-    The fractions are counted in a strided sample of at most `SAMPLE_SIZE` values."""
+    One pass over the tensor counts every value (exactly) and gives its largest
+    magnitude, and with them whether it holds an inf or NaN or (at a cast) values
+    too large for the dtype. Rowwise fp8 scales add a reduction to the scale's
+    shape for the amax."""
     f32 = jnp.float32
-    finfo = jnp.finfo(value.dtype)
-    # In float32 (exact for every narrower dtype): XLA's CPU reductions over
-    # bfloat16 and float16 values take several times longer than over float32.
+    value, source = lax.stop_gradient((value, source))
+    # Every statistic is read from one int32 array, the float32 magnitudes' bits:
+    # integer comparisons order magnitudes as floats do, and read float32
+    # subnormals as they are (a CPU's float comparisons may flush them). At a cast,
+    # what the cast makes of each value is known from the value before it
+    # (conversions round to nearest, ties to even), so the pass reads that tensor
+    # alone and XLA can fuse it into the kernel that makes it.
     magnitude = _magnitude_bits(value if source is None else source)
-    amax = _amax(magnitude, scale)
-    if source is None or scale is not None:
-        # fp8 casts the scaled tensor clipped to the dtype's range: only inf and NaN.
-        any_nonfinite = ~jnp.isfinite(amax)
-        any_saturated = jnp.zeros((), bool)
-    else:
-        any_nonfinite = ~(amax < _rounds_to_inf(value.dtype))
-        any_saturated = _saturates(magnitude, amax, float(finfo.max))
-    stride = _stride(value.shape)
-    small = jnp.abs(_sample(value, stride).astype(f32))
-    masks = [
-        (small > 0) & (small < float(finfo.smallest_normal)),
-        ~jnp.isfinite(small),
-    ]
-    if source is not None:
-        # Non-zero read from the bits, as `amax` is: a float32 subnormal is not zero.
-        nonzero = _sample(magnitude, stride) != 0
-        before = jnp.abs(_sample(source, stride).astype(f32))
-        finite = jnp.isfinite(before)
-        masks += [
-            finite & nonzero & (small == 0),
-            # Past the largest finite value: overflowed to inf (NaN in e4m3fn) or
-            # clipped to it.
-            finite & (before > float(finfo.max)),
-        ]
-    counts = jnp.sum(jnp.stack(masks), axis=1, dtype=f32)
+    # An fp8 cast's amax is taken as its quantisation takes it, which XLA merges
+    # with the quantisation's own (one pass fewer on the H100 compile).
+    maxima = [magnitude] if scale is None else []
+    masks = _held(magnitude, value.dtype, at_cast=source is not None)
+    largest, counts = _reduce_whole(maxima, [m.astype(f32) for m in masks])
+    amax = _from_bits(largest[0]) if scale is None else _amax(magnitude, scale)
     zero = jnp.zeros((), f32)
     subnormal, nonfinite, *at_cast = counts
     flushed, saturated = at_cast or (zero, zero)
+    if source is None or scale is not None:
+        # fp8 casts the scaled tensor clipped to the dtype's range: only inf and NaN.
+        any_nonfinite = ~jnp.isfinite(amax)
+    else:
+        any_nonfinite = ~(amax < _rounds_to_inf(value.dtype))
+    any_nonfinite = any_nonfinite | (nonfinite > 0)
     return Measured(
         site,
         (),
         same_along,
         jnp.asarray(value.size, f32),
-        jnp.asarray(small.size, f32),
+        jnp.asarray(value.size, f32),
         amax,
         flushed,
         subnormal,
         saturated,
         nonfinite,
-        any_saturated.astype(f32),
+        (saturated > 0).astype(f32),
         any_nonfinite.astype(f32),
         None if scale is None else jnp.min(scale).astype(f32),
     )

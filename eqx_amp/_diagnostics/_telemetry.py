@@ -48,11 +48,9 @@ class TensorStats(eqx.Module):
     the fraction that are inf or NaN after it. Whether the tensor holds such values
     is exact: `overflow` and `nonfinite` are then at least one value's share.
     The fractions (`overflow`, `nonfinite`, `underflow`: flushed to zero by the
-    cast, `subnormal`: held as subnormals, with less precision) are counted in a
-    sample of `sample` values taken at a fixed stride through each tensor, at most
-    4096 values per tensor (the whole tensor when it is smaller): a fraction `p`
-    estimated from `n` values is off by about `sqrt(p (1 - p) / n)`, under 0.8
-    percentage points for one tensor. `scale` is the fp8 scale used (the smallest,
+    cast, `subnormal`: held as subnormals, with less precision) are exact too,
+    counted in every value of the tensor (`sample`, equal to `size`), in the same
+    pass that takes `amax`. `scale` is the fp8 scale used (the smallest,
     for rowwise scales), or None outside fp8. Under `shard_map` a tensor that
     differs from device to device (a batch shard) is counted on each device, one
     that is the same on every device (a replicated weight) once; with
@@ -303,25 +301,37 @@ def _finish(made: list[Measured], leaves: set[Path]) -> Telemetry:
             continue  # never read by a product: not a layer's tensor
         name = _layer_name(site.layer, m.stack, leaves)
         groups[(name, site.role, site.dtype, site.at_cast, m.amax.shape)].append(m)
-    packs: dict[tuple, list[Array]] = {}
+    # Every entry's raw values go into one array per shape (one concatenation),
+    # and the fractions are computed on those arrays: per-entry arithmetic would be
+    # a handful of tiny kernels per entry on a GPU.
+    raw_names = (
+        "size", "sampled", "amax", "flushed", "subnormal", "saturated", "nonfinite",
+        "any_saturated", "any_nonfinite",
+    )  # fmt: skip
+    raws: dict[tuple, list[Array]] = {}
     entries = []
     for (name, role, dtype, at_cast, shape), group in groups.items():
         m = combine(group)
-        size = jnp.maximum(m.size, 1.0)
-        sampled = jnp.maximum(m.sampled, 1.0)
-        # A sample can miss the one inf among a million: the exact flags set a floor.
-        overflow = jnp.maximum(m.saturated / sampled, m.any_saturated / size)
-        nonfinite = jnp.maximum(m.nonfinite / sampled, m.any_nonfinite / size)
         scale = jnp.full(shape, np.nan, jnp.float32) if m.scale is None else m.scale
-        fields = (m.size, m.sampled, m.amax, m.flushed / sampled)
-        fields += (m.subnormal / sampled, overflow, nonfinite, scale)
-        rows = packs.setdefault(shape, [])
-        which = list(packs).index(shape)
+        rows = raws.setdefault(shape, [])
+        which = list(raws).index(shape)
         has_scale = m.scale is not None
-        entries.append((name, role, dtype, at_cast, has_scale, which, len(rows)))
-        rows.append(jnp.stack([jnp.broadcast_to(f, shape) for f in fields]))
-    packed = tuple(jnp.stack(rows) for rows in packs.values())
-    return Telemetry(packed, tuple(entries), tuple(len(shape) for shape in packs))
+        row = len(rows) // (len(raw_names) + 1)
+        entries.append((name, role, dtype, at_cast, has_scale, which, row))
+        values = [getattr(m, k) for k in raw_names] + [scale]
+        rows.extend(jnp.broadcast_to(v, shape).astype(jnp.float32) for v in values)
+    packed = []
+    for shape, rows in raws.items():
+        r = jnp.stack(rows).reshape(-1, len(raw_names) + 1, *shape)
+        size, sampled = jnp.maximum(r[:, 0], 1.0), jnp.maximum(r[:, 1], 1.0)
+        # The counts are exact; the flags set a floor all the same (a site measured
+        # as it arrived and at its cast, combined).
+        overflow = jnp.maximum(r[:, 5] / sampled, r[:, 7] / size)
+        nonfinite = jnp.maximum(r[:, 6] / sampled, r[:, 8] / size)
+        fields = (r[:, 0], r[:, 1], r[:, 2], r[:, 3] / sampled, r[:, 4] / sampled)
+        fields += (overflow, nonfinite, r[:, 9])
+        packed.append(jnp.stack(fields, axis=1))
+    return Telemetry(tuple(packed), tuple(entries), tuple(len(shape) for shape in raws))
 
 
 class _MeasuredStep(eqx.Module, Generic[_P, _T]):

@@ -56,8 +56,11 @@ def quantize_with(x: Array, scale: Array, dtype: np.dtype) -> Array:
     # left to the conversion: a GPU converts with saturation (PTX's `satfinite`),
     # which turns inf into the largest finite fp8 value, so an overflow upstream
     # would vanish into a finite product on an H100 and stay visible on a CPU.
+    # The NaN is made from the tensor itself (inf - inf, NaN - NaN), not a
+    # constant: `telemetry` follows a weight through its quantisation along the
+    # values computed from it alone.
     clipped = jnp.clip(scaled, -largest, largest)
-    scaled = jnp.where(jnp.isfinite(scaled), clipped, jnp.nan)
+    scaled = jnp.where(jnp.isfinite(scaled), clipped, scaled - scaled)
     return scaled.astype(dtype)
 
 
