@@ -22,6 +22,7 @@ from jax import lax
 from jaxtyping import Array, Float
 
 from .._core._cast import is_floating_dtype
+from .._core._platform import with_cpu_form
 from .._core._wrapper import warn_once
 from .._fp8 import FP8_SCOPE
 from .._jaxpr import _compat as compat
@@ -169,6 +170,52 @@ def _reduce_whole(maxima: list[Array], sums: list[Array]) -> tuple[list, list]:
     return list(out[:n]), list(out[n:])
 
 
+# On a CPU the fractions are counted in at most this many values of each tensor,
+# taken at a fixed stride (all of them in a smaller tensor): there counting every
+# value costs compute, not memory traffic (`benchmarks/telemetry_overhead.py`).
+SAMPLE_SIZE = 4096
+
+
+def _stride(shape: tuple[int, ...]) -> int:
+    """The stride of a tensor's sample: at most `SAMPLE_SIZE` values of the
+    flattened tensor, the stride coprime with its last axis, so that the sample
+    visits every column (a stride that is a multiple of the row length would read
+    one column only)."""
+    size = int(np.prod(shape))
+    stride = max(1, -(-size // SAMPLE_SIZE))
+    last = shape[-1] if shape else 1
+    while stride > 1 and np.gcd(stride, last) != 1:
+        stride += 1
+    return stride
+
+
+def _sample(x: Array, stride: int) -> Array:
+    flat = x.reshape(-1)
+    if stride == 1:
+        return flat
+    return lax.slice(flat, (0,), ((flat.size - 1) // stride * stride + 1,), (stride,))
+
+
+def _counted_whole(magnitude: Array, dtype: Any, at_cast: bool, fp8_scaled: bool):
+    """`(largest magnitude or None, counted, counts)` of every value, in one pass
+    (`_reduce_whole`). An fp8 cast's amax is left to `_amax`, as its quantisation
+    takes it: XLA merges the two (one pass fewer on the H100 compile)."""
+    maxima = [] if fp8_scaled else [magnitude]
+    masks = [m.astype(jnp.float32) for m in _held(magnitude, dtype, at_cast)]
+    largest, counts = _reduce_whole(maxima, masks)
+    return (None if fp8_scaled else largest[0]), float(magnitude.size), counts
+
+
+def _counted_sample(magnitude: Array, dtype: Any, at_cast: bool, fp8_scaled: bool):
+    """`_counted_whole` on a CPU: the amax in its own max pass, the fractions
+    counted in a strided sample of at most `SAMPLE_SIZE` values."""
+    sample = _sample(magnitude, _stride(magnitude.shape))
+    masks = jnp.stack(_held(sample, dtype, at_cast))
+    counts = list(jnp.sum(masks, axis=1, dtype=jnp.float32))
+    largest = None if fp8_scaled or magnitude.size == 0 else jnp.max(magnitude)
+    return largest, float(sample.size), counts
+
+
 def _statistics(
     site: Site,
     value: Array,
@@ -181,8 +228,9 @@ def _statistics(
 
     One pass over the tensor counts every value (exactly) and gives its largest
     magnitude, and with them whether it holds an inf or NaN or (at a cast) values
-    too large for the dtype. Rowwise fp8 scales add a reduction to the scale's
-    shape for the amax."""
+    too large for the dtype; rowwise fp8 scales add a reduction to the scale's
+    shape for the amax. A CPU counts a strided sample instead (`_counted_sample`):
+    which one runs is chosen as the program is lowered."""
     f32 = jnp.float32
     value, source = lax.stop_gradient((value, source))
     # Every statistic is read from one int32 array, the float32 magnitudes' bits:
@@ -192,36 +240,69 @@ def _statistics(
     # (conversions round to nearest, ties to even), so the pass reads that tensor
     # alone and XLA can fuse it into the kernel that makes it.
     magnitude = _magnitude_bits(value if source is None else source)
-    # An fp8 cast's amax is taken as its quantisation takes it, which XLA merges
-    # with the quantisation's own (one pass fewer on the H100 compile).
-    maxima = [magnitude] if scale is None else []
-    masks = _held(magnitude, value.dtype, at_cast=source is not None)
-    largest, counts = _reduce_whole(maxima, [m.astype(f32) for m in masks])
-    amax = _from_bits(largest[0]) if scale is None else _amax(magnitude, scale)
+    at_cast, fp8_scaled = source is not None, scale is not None
+
+    half_cast = at_cast and not fp8_scaled
+    largest_finite = float(jnp.finfo(value.dtype).max)
+
+    def form(count, sampled):
+        def counted(magnitude):
+            largest, n, counts = count(magnitude, value.dtype, at_cast, fp8_scaled)
+            if largest is None:
+                largest = jnp.zeros((), jnp.int32)
+            saturated = counts[3] > 0 if half_cast else jnp.zeros((), bool)
+            if sampled and half_cast:
+                # A sample can miss the one value past the dtype's range: a pass of
+                # its own says whether there is one.
+                amax = _from_bits(largest)
+                saturated = _saturates(magnitude, amax, largest_finite)
+            return largest, jnp.asarray(n, f32), counts, saturated
+
+        return counted
+
+    largest, sampled, counts, any_saturated = with_cpu_form(
+        magnitude,
+        cpu=form(_counted_sample, sampled=True),
+        default=form(_counted_whole, sampled=False),
+    )
+    amax = _amax(magnitude, scale) if fp8_scaled else _from_bits(largest)
     zero = jnp.zeros((), f32)
-    subnormal, nonfinite, *at_cast = counts
-    flushed, saturated = at_cast or (zero, zero)
-    if source is None or scale is not None:
+    subnormal, nonfinite, *at_cast_counts = counts
+    flushed, saturated = at_cast_counts or (zero, zero)
+    # Whether a tensor holds an inf or NaN is exact whichever values were counted:
+    # the amax says.
+    if half_cast:
+        any_nonfinite = ~(amax < _rounds_to_inf(value.dtype))
+    else:
         # fp8 casts the scaled tensor clipped to the dtype's range: only inf and NaN.
         any_nonfinite = ~jnp.isfinite(amax)
-    else:
-        any_nonfinite = ~(amax < _rounds_to_inf(value.dtype))
-    any_nonfinite = any_nonfinite | (nonfinite > 0)
     return Measured(
         site,
         (),
         same_along,
         jnp.asarray(value.size, f32),
-        jnp.asarray(value.size, f32),
+        sampled,
         amax,
         flushed,
         subnormal,
         saturated,
         nonfinite,
-        (saturated > 0).astype(f32),
+        any_saturated.astype(f32),
         any_nonfinite.astype(f32),
         None if scale is None else jnp.min(scale).astype(f32),
     )
+
+
+def _saturates(magnitude: Array, amax: Array, largest: float) -> Array:
+    """Whether a finite value of `magnitude` (`_magnitude_bits`) is past `largest`.
+    An inf or NaN amax hides the largest finite value: only then does a second pass
+    over the tensor run (`lax.cond`), to look for one."""
+    limit = np.float32(largest).view(np.int32)
+
+    def look() -> Array:
+        return jnp.any((magnitude > limit) & (magnitude < _INF_BITS))
+
+    return lax.cond(jnp.isfinite(amax), lambda: amax > largest, look)
 
 
 def combine(group: list[Measured]) -> Measured:
