@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# One lease of a GPU, in one call (about 6 minutes on one H100; a lease has 15):
+# One lease of a GPU, in one call (a lease has 15 minutes of device time):
 #   1. the fp8 test modules on the GPU's own fp8 kernels (a CPU cannot show how a
 #      GPU converts to fp8 or which dots XLA gives fp8 GEMMs);
 #   2. `gpu_fp8_fallback.py`: the cases that once failed there, under three XLA
 #      flag sets, with their optimised HLO;
 #   3. fp8 training steps timed beside hand-cast bfloat16 at the GPT-2-small-like
-#      roofline size (RESULTS.md, "GPU results"; set GPT_VARIANTS for others).
+#      roofline size (RESULTS.md, "GPU results"; set GPT_VARIANTS for others);
+#   4. the step time telemetry adds there (its one-pass form, which a CPU does not
+#      run).
 # Each part has its own time limit, so a slow one leaves the others' output;
 # everything is written under $OUT (or ./gpu-out). Run from the repository root:
 #
-#     bash benchmarks/gpu_check.sh
+#     bash benchmarks/gpu_check.sh            # about 8 minutes
 set -uo pipefail
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
@@ -34,3 +36,7 @@ timeout "${GPT_S:-150}" "$py" benchmarks/run.py --preset gpu --models gpt \
     --config depth=4,batch=8 --steps 12 \
     --variants "${GPT_VARIANTS:-hand_bf16,filter_amp_fp8,filter_amp_fp8_paying}" \
     --json "$out/gpt.json" --markdown "$out/gpt.md" 2>&1 | tee "$out/gpt.log"
+
+timeout "${TELEMETRY_S:-120}" "$py" benchmarks/telemetry_overhead.py --preset gpu \
+    --models gpt --config depth=4,batch=8 --steps 10 --repeats 3 2>&1 \
+    | tee "$out/telemetry.log"

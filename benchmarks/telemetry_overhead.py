@@ -20,7 +20,7 @@ import time
 
 import equinox as eqx
 import jax
-from _models import PRESETS, make_task
+from _models import PRESETS, make_task, with_overrides
 from _variants import autocast, autocast_fp8, filter_amp
 
 import eqx_amp
@@ -58,7 +58,6 @@ def _h100(args) -> None:
     H100: bytes moved and kernels launched, and their ratios."""
     import h100_aot
     from _gpu_hlo import roofline
-    from _models import with_overrides
 
     sharding = h100_aot.h100_sharding()
     print(f"{'model':<6}{'variant':<16}{'plain GB':>10}{'measured GB':>13}"
@@ -103,7 +102,7 @@ def main() -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
     print(f"{'model':<6}{'variant':<16}{'plain ms':>10}{'measured ms':>13}{'ratio':>8}")
     for name in args.models.split(","):
-        task = make_task(name, PRESETS[args.preset][name])
+        task = make_task(name, with_overrides(PRESETS[args.preset][name], args.config))
         batch = task.batch(0)
         for label, build in VARIANTS.items():
             built = build(task)
