@@ -54,8 +54,8 @@ class Measured(eqx.Module):
     that they sum across devices and scan iterations without overflowing), the
     largest magnitude, and the fp8 scale. `flushed`, `subnormal`, `saturated` and
     `nonfinite` count values of the tensor, `sampled` the values counted (all of
-    them); `any_saturated` and `any_nonfinite` (0 or 1) say whether it holds such a
-    value.
+    them, or a CPU's sample); `any_saturated` and `any_nonfinite` (0 or 1) say
+    exactly whether it holds such a value.
     Each `stack` entry is a leading axis (one entry per scan iteration), given by the
     paths of the parameters that scan iterates over (`index_position` finds where in
     the layer's path its index goes). `same_along` are the `shard_map` axes along
