@@ -521,7 +521,7 @@ def _quantize_weight(weight: Array, scale: Array) -> Array:
     made without a derivative (its products pass the gradient straight through
     the rounding)."""
     with jax.named_scope(FP8_SCOPE):  # an fp8 cast, as `precision_report` reads them
-        return quantize_with(lax.stop_gradient(weight), scale, E4M3)
+        return quantize_with(lax.stop_gradient(weight), scale, E4M3, inf_to_nan=False)
 
 
 def _takes_fp8(eqn: Any, position: int, w: Any) -> bool:

@@ -46,9 +46,12 @@ def scale_from_amax(amax: Array, dtype: np.dtype) -> Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def quantize_with(x: Array, scale: Array, dtype: np.dtype) -> Array:
+def quantize_with(
+    x: Array, scale: Array, dtype: np.dtype, *, inf_to_nan: bool = True
+) -> Array:
     """`x * scale` in `dtype`, clipped to its finite range; an inf or NaN element
-    becomes NaN."""
+    becomes NaN (with `inf_to_nan=False`, non-finite elements are left to the
+    conversion)."""
     largest = float(jnp.finfo(dtype).max)
     scaled = x.astype(jnp.float32) * scale
     # Rounding can step just past the largest finite value, which e4m3fn would make
@@ -60,8 +63,8 @@ def quantize_with(x: Array, scale: Array, dtype: np.dtype) -> Array:
     # constant: `telemetry` follows a weight through its quantisation along the
     # values computed from it alone.
     clipped = jnp.clip(scaled, -largest, largest)
-    scaled = jnp.where(jnp.isfinite(scaled), clipped, scaled - scaled)
-    return scaled.astype(dtype)
+    otherwise = scaled - scaled if inf_to_nan else scaled
+    return jnp.where(jnp.isfinite(scaled), clipped, otherwise).astype(dtype)
 
 
 def quantize(x: Array, dtype: np.dtype, axes: tuple[int, ...]) -> tuple[Array, Array]:
