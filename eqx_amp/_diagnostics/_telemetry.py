@@ -54,8 +54,8 @@ class TensorStats(eqx.Module):
     rather than memory traffic, they are counted in a sample of `sample` values
     taken at a fixed stride, at most 4096 values per tensor (the whole tensor when
     it is smaller): a fraction `p` estimated from `n` values is off by about
-    `sqrt(p (1 - p) / n)`, under 0.8 percentage points for one tensor. `scale` is the fp8 scale used (the smallest,
-    for rowwise scales), or None outside fp8. Under `shard_map` a tensor that
+    `sqrt(p (1 - p) / n)`, under 0.8 percentage points for one tensor. `scale` is
+    the fp8 scale used (the smallest, for rowwise scales), or None outside fp8. Under `shard_map` a tensor that
     differs from device to device (a batch shard) is counted on each device, one
     that is the same on every device (a replicated weight) once; with
     `check_vma=False` (and under `pmap`) JAX does not say which, and every device's
@@ -328,8 +328,8 @@ def _finish(made: list[Measured], leaves: set[Path]) -> Telemetry:
     for shape, rows in raws.items():
         r = jnp.stack(rows).reshape(-1, len(raw_names) + 1, *shape)
         size, sampled = jnp.maximum(r[:, 0], 1.0), jnp.maximum(r[:, 1], 1.0)
-        # The counts are exact; the flags set a floor all the same (a site measured
-        # as it arrived and at its cast, combined).
+        # A CPU's sample can miss the one inf among a million: the exact flags set
+        # a floor under the counts.
         overflow = jnp.maximum(r[:, 5] / sampled, r[:, 7] / size)
         nonfinite = jnp.maximum(r[:, 6] / sampled, r[:, 8] / size)
         fields = (r[:, 0], r[:, 1], r[:, 2], r[:, 3] / sampled, r[:, 4] / sampled)

@@ -305,32 +305,27 @@ class _MomentStore:
                 _NO_MOMENTS.format(state=type(state).__name__, names=names),
                 stacklevel=3,
             )
-        keys = list(self._keys(step, raw_key, count))
-        # Gathered first and encoded in one compiled program (`_encode_all`).
-        moments: list[tuple[Array, bool]] = []
-
-        def gather(path, node):
-            kind = kinds.get(jtu.keystr(path))
-            if kind is not None and shaped_like_params(node):
-                for x in jtu.tree_leaves(node):
-                    if _is_compressible(x):
-                        moments.append((x, kind))
-            return node
-
-        jtu.tree_map_with_path(gather, state, is_leaf=shaped_like_params)
+        # The moments, in order, then encoded together in one compiled program.
+        moments = [
+            (x, kind)
+            for path, node in nodes
+            if shaped_like_params(node)
+            and (kind := kinds.get(jtu.keystr(path))) is not None
+            for x in jtu.tree_leaves(node)
+            if _is_compressible(x)
+        ]
         encoded = iter(
             _encode_all(
                 [x for x, _ in moments],
                 tuple(kind for _, kind in moments),
-                keys[: len(moments)],
+                list(self._keys(step, raw_key, count))[: len(moments)],
                 self.storage,
                 self.block_size,
             )
         )
 
         def one(path, node):
-            kind = kinds.get(jtu.keystr(path))
-            if kind is None or not shaped_like_params(node):
+            if jtu.keystr(path) not in kinds or not shaped_like_params(node):
                 return node
             return jtu.tree_map(
                 lambda x: next(encoded) if _is_compressible(x) else x, node
