@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eqx_amp._core._platform import CPU_FORM_SCOPE
+
 
 def _sub_jaxprs(value: Any) -> Iterator[Any]:
     if hasattr(value, "eqns"):
@@ -29,18 +31,24 @@ def _sub_jaxprs(value: Any) -> Iterator[Any]:
             yield from _sub_jaxprs(v)
 
 
-def walk_eqns(jaxpr: Any, scope: str = "") -> Iterator[tuple[Any, str]]:
+def walk_eqns(
+    jaxpr: Any, scope: str = "", *, cpu_forms: bool = False
+) -> Iterator[tuple[Any, str]]:
     """Every equation of `jaxpr` and of all its sub-jaxprs, with the full named scope
-    it runs under (sub-jaxprs only know the scope relative to their parent)."""
+    it runs under (sub-jaxprs only know the scope relative to their parent). The
+    CPU forms of `lax.platform_dependent` choices (what only a CPU runs, beside the
+    accelerators' program) are left out unless `cpu_forms`."""
     if hasattr(jaxpr, "jaxpr") and not hasattr(jaxpr, "eqns"):
         jaxpr = jaxpr.jaxpr
     for eqn in jaxpr.eqns:
         own = str(eqn.source_info.name_stack)
         full = "/".join(s for s in (scope, own) if s)
+        if not cpu_forms and CPU_FORM_SCOPE in full.split("/"):
+            continue
         yield eqn, full
         for value in eqn.params.values():
             for sub in _sub_jaxprs(value):
-                yield from walk_eqns(sub, full)
+                yield from walk_eqns(sub, full, cpu_forms=cpu_forms)
 
 
 def traced(fn, *args, **kwargs):

@@ -14,6 +14,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
+from .._core._platform import with_cpu_form
 from .._jaxpr import _compat as compat
 from ._scaling import E4M3, E5M2, quantize, quantize_and_amax, unscale
 from ._shapes import fp8_eligible, free_axes
@@ -186,9 +187,20 @@ def _fp8_product(
         )  # fmt: skip
         return product.astype(dtype)
     precision = lax.Precision.HIGHEST if backward else None
-    return lax.dot_general(
-        lhs, rhs, dims, precision=precision, preferred_element_type=dtype
-    )
+
+    def emitting(out_dtype):
+        def product(lhs, rhs):
+            return lax.dot_general(
+                lhs, rhs, dims, precision=precision, preferred_element_type=out_dtype
+            ).astype(dtype)
+
+        return product
+
+    # A GPU's or TPU's fp8 GEMM accumulates in float32 whatever it writes. XLA's
+    # CPU runtime may accumulate a dot that emits bfloat16 in bfloat16 (jax 0.12:
+    # a weight gradient summed over 16 examples ended up to 20% off), so a CPU is
+    # asked for float32 and rounds once at the end.
+    return with_cpu_form(lhs, rhs, cpu=emitting(jnp.float32), default=emitting(dtype))
 
 
 def _operand_cotangent(
