@@ -337,6 +337,7 @@ def test_filter_amp_fp8_with_a_module_filter(getkey):
         assert float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact)) < 0.1
 
 
+@pytest.mark.slow  # 6 s; the fp8 examples train in the slow tier too
 def test_filter_amp_and_bimodel_fp8_train(getkey):
     """Gradients through fp8 matmuls reach the float32 master, inside and outside
     `jax.vmap`, and a few steps lower the loss as bfloat16 does."""

@@ -138,7 +138,9 @@ def _adam_reference_run():
     return ref_model, ref_loss
 
 
-@pytest.mark.parametrize("storage", ["bfloat16", "8bit"])
+@pytest.mark.parametrize(
+    "storage", [pytest.param("bfloat16", marks=pytest.mark.slow), "8bit"]
+)
 def test_low_precision_moments_train_like_float32_moments(storage):
     model = small_mlp(jr.key(0))
     x, y = regression_data(jr.key(1))

@@ -127,6 +127,7 @@ def test_gan_with_noise_sampled_inside_the_loss_trains_in_float16():
     assert len(convs) == 3 and all(d == [F16, F16] for d in convs)
 
 
+@pytest.mark.slow  # the GAN above keeps noise drawn inside the loss in the fast tier
 def test_diffusion_with_noise_drawn_inside_the_loss_trains_in_float16():
     """As users run it (JAX's default promotion): the float32 noise widens the
     float16 images, and the first convolution met them with float16 weights."""

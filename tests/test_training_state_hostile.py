@@ -351,7 +351,17 @@ def _combinators():
     }
 
 
-@pytest.mark.parametrize("name", list(_combinators()))
+# Three of them in the fast tier (each takes 3-4 s); all of them in the slow one.
+_FAST_COMBINATORS = ("chain", "masked", "MultiSteps")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n in _FAST_COMBINATORS else pytest.param(n, marks=pytest.mark.slow)
+        for n in _combinators()
+    ],
+)
 def test_low_precision_moments_through_optax_combinators(name):
     optimizer, expected = _combinators()[name]
     params = {"a": jnp.zeros(300), "b": {"c": jnp.zeros((2, 256)), "d": jnp.zeros(5)}}
