@@ -374,9 +374,13 @@ def test_rule_values():
     assert rule != eqx_amp.fp8.TENSORWISE and hash(rule) != hash(with_activations)
 
 
-def test_gather_params_refuses_mxfp8():
-    with pytest.raises(TypeError, match="mxfp8 products would not reuse"):
-        eqx_amp.fp8.MXFP8.check_gather(jnp.dtype(jnp.bfloat16))
+def test_gather_params_takes_mxfp8_and_refuses_rowwise():
+    """(The gathers themselves: `test_sharding_fp8.py`.)"""
+    eqx_amp.fp8.MXFP8.check_gather(jnp.dtype(jnp.bfloat16))
+    with pytest.raises(TypeError, match="rowwise products quantise each weight"):
+        eqx_amp.fp8.ROWWISE.check_gather(jnp.dtype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="must be bfloat16, float16 or wider"):
+        eqx_amp.fp8.MXFP8.check_gather(jnp.dtype(jnp.float8_e4m3fn))
 
 
 def test_the_jaxpr_holds_cudnn_and_portable_products(getkey):

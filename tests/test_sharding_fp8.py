@@ -14,6 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -30,7 +31,9 @@ from .helpers import (
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 FP8 = eqx_amp.fp8.TENSORWISE
+MX = eqx_amp.fp8.MXFP8
 
 
 class _Net(eqx.Module):
@@ -52,17 +55,17 @@ def _mesh():
     return jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def _step(static, specs, fp8, road="filter_amp", **options):
+def _step(static, specs, fp8, road="filter_amp", model_fp8=FP8, **options):
     def loss(shards, x):
         gathered = eqx_amp.sharding.gather_params(
             shards, "data", specs=specs, fp8=fp8, **options
         )
         model = eqx.combine(gathered, static)
         if road == "filter_amp":
-            out = jax.vmap(eqx_amp.filter_amp(model, fp8=FP8))(x)
+            out = jax.vmap(eqx_amp.filter_amp(model, fp8=model_fp8))(x)
         else:
             # The gathered weights are bfloat16: so are the inputs.
-            rules = {jax.lax.dot_general_p: FP8}
+            rules = {jax.lax.dot_general_p: model_fp8}
             out = eqx_amp.autocast(eqx.filter_vmap(model), rules=rules)(
                 x.astype(jnp.bfloat16)
             )
@@ -215,10 +218,10 @@ def test_gathered_fp8_weights_quantise_again_to_the_same_values(getkey):
     e4m3's top binade doubles the scale and the fp8 values with it)."""
     w = jr.normal(getkey(), (64, 32)) * 3.0
     w = w.at[0, 0].set(1e-9).at[1, 1].set(-57.0)
-    quantized, scale = FP8.quantize_shard(w, jnp.max(jnp.abs(w)))
+    quantized, scale = FP8.gather_shard(w, jnp.max(jnp.abs(w)), lambda x: x)
     gathered = FP8.dequantize(quantized, scale, BF16)
-    again, again_scale = FP8.quantize_shard(
-        gathered, jnp.max(jnp.abs(gathered.astype(F32)))
+    again, again_scale = FP8.gather_shard(
+        gathered, jnp.max(jnp.abs(gathered.astype(F32))), lambda x: x
     )
     assert again.dtype == E4M3
     assert (again.astype(F32) / again_scale == quantized.astype(F32) / scale).all()
@@ -233,7 +236,7 @@ def test_fp8_gather_errors_name_the_leaf(getkey):
     def trace(fp8, **options):
         jax.make_jaxpr(_step(static, specs, fp8, **options))(params, x)
 
-    with pytest.raises(TypeError, match="one scale for all of it"):
+    with pytest.raises(TypeError, match="rowwise products quantise each weight"):
         trace(eqx_amp.fp8.ROWWISE)
     with pytest.raises(TypeError, match="`fp8` must be eqx_amp.fp8.TENSORWISE"):
         trace("fp8")
@@ -362,12 +365,14 @@ def test_fp8_weights_gather_in_fp8_on_eight_devices(fp8_rows, path, mesh, engine
 @pytest.mark.parametrize(
     "case", ["zeros", "tiny", "subnormal", "largest", "one_nan", "one_inf"]
 )
-def test_fp8_gather_edge_values(getkey, case):
+@pytest.mark.parametrize("rule", [FP8, MX], ids=["tensorwise", "mxfp8"])
+def test_fp8_gather_edge_values(getkey, case, rule):
     """The gathered weight of one edge-valued Linear: zeros and tiny weights stay
     finite (the scale is capped), float32's largest values stay finite, and one
-    inf/NaN makes the step's gradients non-finite rather than finite and wrong."""
+    inf/NaN makes the step's gradients non-finite rather than finite and wrong
+    (MXFP8: its block only, a row of 32 here; the other rows are as without it)."""
     model = _Net(getkey())
-    w = model.up.weight
+    w = original = model.up.weight
     w = {
         "zeros": jnp.zeros_like(w),
         "tiny": jnp.full_like(w, 1e-37),
@@ -382,7 +387,7 @@ def test_fp8_gather_edge_values(getkey, case):
     specs = jax.tree_util.tree_map(lambda _: P("data"), params)
 
     def gathered(shards):
-        return eqx_amp.sharding.gather_params(shards, "data", specs=specs, fp8=FP8)
+        return eqx_amp.sharding.gather_params(shards, "data", specs=specs, fp8=rule)
 
     out = jax.jit(
         jax.shard_map(gathered, mesh=_mesh(), in_specs=(specs,), out_specs=specs)
@@ -390,7 +395,18 @@ def test_fp8_gather_edge_values(getkey, case):
     got = out.up.weight.astype(F32)
     if case in ("one_nan", "one_inf"):
         assert not bool(jnp.isfinite(got[3, 5]))
-        grads = _step(static, specs, FP8)(params, jr.normal(getkey(), (16, 32)))
+        if rule is MX:
+            plain = eqx.tree_at(lambda p: p.up.weight, params, original)
+            want = jax.jit(
+                jax.shard_map(
+                    gathered, mesh=_mesh(), in_specs=(specs,), out_specs=specs
+                )
+            )(plain).up.weight.astype(F32)
+            rows = jnp.arange(w.shape[0]) != 3
+            assert bool(jnp.all(got[rows] == want[rows]))
+            assert not bool(jnp.any(got[3].at[5].set(0.0)))  # its block's others: 0
+        x = jr.normal(getkey(), (16, 32))
+        grads = _step(static, specs, rule, model_fp8=rule)(params, x)
         assert not all(
             bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads)
         )
@@ -447,3 +463,99 @@ def test_fp8_roads_hold_no_tracer_past_the_trace(getkey, road):
                 out = step(params, jr.normal(getkey(), (batch, 32)))
                 assert {x.dtype for x in jax.tree_util.tree_leaves(out)} == {F32}
     assert live_tracers() == before
+
+
+def _weight_blocks(jaxpr, shapes) -> int:
+    """How many MXFP8 block amaxes of the program read a weight of one of `shapes`
+    laid out in blocks of 32 along one of its axes."""
+    blocked = set()
+    for r, c in shapes:
+        blocked |= {(1, r, c // 32, 32), (1, r // 32, 32, c)}
+    return sum(
+        e.primitive is jax.lax.reduce_max_p and e.invars[0].aval.shape in blocked
+        for e, _ in walk_eqns(jaxpr)
+    )
+
+
+@pytest.mark.parametrize("road", ["filter_amp", "autocast"])
+def test_mxfp8_gathers_e4m3_values_and_e8m0_scales(getkey, road):
+    """`gather_params(..., fp8=MXFP8)` quantises each weight shard in blocks of 32
+    along its last axis (no `pmax`: a block lies within a shard) and all-gathers
+    e4m3 values and e8m0 scales, 33/64 of bfloat16's bytes; the forward products
+    read them rather than quantise the gathered weight again, and the step is as
+    accurate as the MXFP8 step that gathers bfloat16. Under `jax.shard_map`'s
+    default `check_vma=True` too, where `jax.nn.scaled_matmul` (the CUDA branch)
+    drops the varying type its operands have."""
+    model = _Net(getkey())
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    specs = jax.tree_util.tree_map(lambda _: P("data"), params)
+    x = jr.normal(getkey(), (48, 32))
+    step = _step(static, specs, MX, road, model_fp8=MX)
+    without = _step(static, specs, None, road, model_fp8=MX)
+    jaxpr, jaxpr_without = (jax.make_jaxpr(s)(params, x) for s in (step, without))
+    found = _collectives(jaxpr)
+    gathers = sorted((d.name, s) for n, d, s in found if n == "all_gather")
+    weights = {(64, 32), (32, 64)}
+    assert [g for g in gathers if g[1] in weights | {(64, 1), (32, 2)}] == [
+        ("float8_e4m3fn", (32, 64)),
+        ("float8_e4m3fn", (64, 32)),
+        ("float8_e8m0fnu", (32, 2)),
+        ("float8_e8m0fnu", (64, 1)),
+    ]
+    assert not [n for n, _, _ in found if n == "pmax"]
+    fp8_bytes = sum(
+        jnp.dtype(d).itemsize * int(np.prod(s))
+        for n, d, s in found
+        if n == "all_gather" and jnp.dtype(d) in (E4M3, E8M0)
+    )
+    bf16_bytes = sum(
+        2 * int(np.prod(s))
+        for n, d, s in _collectives(jaxpr_without)
+        if n == "all_gather" and s in weights
+    )
+    assert fp8_bytes / bf16_bytes == pytest.approx(33 / 64)
+    # The shard's block amaxes replace the forward products' own: as many as
+    # without the fp8 gather.
+    assert _weight_blocks(jaxpr, weights) == _weight_blocks(jaxpr_without, weights)
+    grads, grads_without = step(params, x), without(params, x)
+    assert {g.dtype for g in jax.tree_util.tree_leaves(grads)} == {F32}
+    reference = jax.grad(lambda p: jnp.mean(jax.vmap(eqx.combine(p, static))(x) ** 2))(
+        params
+    )
+    assert (
+        global_rel_error(grads, reference)
+        < 1.1 * global_rel_error(grads_without, reference) + 1e-3
+    )
+
+
+def test_mxfp8_gather_errors_name_the_leaf(getkey):
+    """A weight `fp8_filter` picks whose last axis is not a multiple of 32, or whose
+    shards would split blocks, or that is not a matrix (MXFP8 convolutions are
+    tensorwise), is refused by name; by default such weights gather as without
+    fp8. ROWWISE is refused: no one gathered form serves its products."""
+    odd = eqx.partition(_Net(getkey(), width=48), eqx.is_inexact_array)
+    odd_specs = jax.tree_util.tree_map(lambda _: P("data"), odd[0])
+    x = jr.normal(getkey(), (8, 48))
+    pick_all = lambda m: m is not None  # noqa: E731
+    with pytest.raises(
+        ValueError, match=r"\.up\.weight .*\(48\) is not a multiple of 32"
+    ):
+        jax.make_jaxpr(_step(odd[1], odd_specs, MX, model_fp8=MX, fp8_filter=pick_all))(
+            odd[0], x
+        )
+    # By default the (48, 96) weight gathers in MXFP8, the (96, 48) one in bf16.
+    found = _collectives(
+        jax.make_jaxpr(_step(odd[1], odd_specs, MX, model_fp8=MX))(odd[0], x)
+    )
+    weights = {(96, 48), (48, 96)}
+    assert sorted(
+        (d.name, s) for n, d, s in found if n == "all_gather" and s in weights
+    ) == [
+        ("bfloat16", (96, 48)),
+        ("float8_e4m3fn", (48, 96)),
+    ]
+    assert "split blocks of 32" in MX.gather_problem((64, 16), (64, 32), 1)
+    assert MX.gather_problem((32, 32), (64, 32), 0) is None
+    assert "two dimensions" in MX.gather_problem((8, 4, 3, 3), (16, 4, 3, 3), 0)
+    with pytest.raises(TypeError, match="TENSORWISE or eqx_amp.fp8.MXFP8"):
+        jax.make_jaxpr(_step(odd[1], odd_specs, "mxfp8"))(odd[0], x)

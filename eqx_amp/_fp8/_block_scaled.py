@@ -33,6 +33,7 @@ from jax import lax
 from jaxtyping import Array
 
 from .._core._platform import with_cpu_form
+from .._jaxpr import _compat as compat
 from ._products import FP8_SCOPE
 from ._scaling import E4M3
 from ._shapes import BLOCK, free_axes
@@ -97,6 +98,36 @@ def mx_quantize(x: Array, axis: int = 2) -> tuple[Array, Array]:
     return values, scale
 
 
+def mx_quantize_weight(weight: Array) -> tuple[Array, Array]:
+    """`weight` in MXFP8 along its last axis (a multiple of 32): e4m3 values of its
+    shape and e8m0 scales of shape `(*weight.shape[:-1], n / 32)`. The form an
+    `eqx.nn.Linear` weight's forward product reads (it contracts the input
+    features), and the one `gather_params(..., fp8=MXFP8)` gathers."""
+    values, scales = mx_quantize(weight.reshape(1, -1, weight.shape[-1]))
+    return values.reshape(weight.shape), scales.reshape(*weight.shape[:-1], -1)
+
+
+def mx_dequantize(values: Array, scales: Array, dtype: Any) -> Array:
+    """MXFP8 values with their scales along the last axis, in `dtype`: exact in
+    bfloat16, float16 (where in range) and float32. A finite block whose values
+    round up past `dtype`'s largest (an amax within one e4m3 step of it) saturates
+    there; a block holding an inf or NaN stays NaN."""
+    blocks = values.astype(jnp.float32).reshape(*values.shape[:-1], -1, BLOCK)
+    wide = (blocks * scales.astype(jnp.float32)[..., None]).reshape(values.shape)
+    largest = float(jnp.finfo(dtype).max)
+    return jnp.clip(wide, -largest, largest).astype(dtype)
+
+
+def _known_3d(known: tuple[Array, Array]) -> tuple[Array, Array]:
+    """Recorded MXFP8 values and scales along an operand's last axis, which its
+    product contracts, as `mx_quantize` lays out a `(1, free, contracting)` one."""
+    values, scales = known
+    return (
+        values.reshape(1, -1, values.shape[-1]),
+        scales.reshape(1, -1, scales.shape[-1]),
+    )
+
+
 def _cuda_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
     return jax.nn.scaled_matmul(
         lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=dtype
@@ -141,11 +172,25 @@ def block_product(lhs, rhs, lhs_scales, rhs_scales, dtype) -> Array:
         rhs,
         lhs_scales,
         rhs_scales,
-        cuda=ft.partial(_cuda_product, dtype=emit),
-        cpu=ft.partial(_cpu_product, dtype=emit),
-        default=ft.partial(_portable_product, dtype=emit),
+        cuda=_varying_as_operands(ft.partial(_cuda_product, dtype=emit)),
+        cpu=_varying_as_operands(ft.partial(_cpu_product, dtype=emit)),
+        default=_varying_as_operands(ft.partial(_portable_product, dtype=emit)),
     )
     return out.astype(dtype)
+
+
+def _varying_as_operands(product):
+    """`product`, its output typed as varying over every `jax.shard_map` axis an
+    operand varies over: `jax.nn.scaled_matmul` drops that type (jax 0.10-0.12),
+    and the platforms' branches must agree on it."""
+
+    def typed(*operands):
+        out = product(*operands)
+        axes = frozenset().union(*map(compat.varying_axes, operands))
+        missing = tuple(sorted(axes - compat.varying_axes(out), key=str))
+        return lax.pcast(out, missing, to="varying") if missing else out
+
+    return typed
 
 
 def _to_3d(x: Array, contracting, batch) -> Array:
@@ -201,25 +246,34 @@ def mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
     one set of static arguments, with its derivative rule: returned in
     `out_dtype`; the backward products emit `grad_dtype` (their scales are applied
     inside them, so any floating dtype of 16 bits or more has their range) and the
-    gradients come back in the operands' dtypes. Called as `matmul(lhs, rhs)`."""
+    gradients come back in the operands' dtypes. Called as `matmul(lhs, rhs,
+    known)`, `known` a pair of `(values, scales)` or None per operand: the MXFP8
+    form of an operand whose product contracts its last axis alone
+    (`known_block_scaled`: a weight gathered in MXFP8), read by the forward
+    product as it is; its gradient passes straight through it."""
     (lc, rc), (lb, rb) = dims
     lhs_shape, rhs_shape = shapes
 
-    def product(lhs3, rhs3):
+    def product(lhs3, rhs3, known):
+        known_lhs, known_rhs = known
         out3 = block_product(
-            *_operands(mx_quantize(lhs3), mx_quantize(rhs3)), out_dtype
+            *_operands(
+                mx_quantize(lhs3) if known_lhs is None else _known_3d(known_lhs),
+                mx_quantize(rhs3) if known_rhs is None else _known_3d(known_rhs),
+            ),
+            out_dtype,
         )
         return out3.reshape(_output_shape(lhs_shape, rhs_shape, dims))
 
     @jax.custom_vjp
     @jax.named_scope(FP8_SCOPE)
     @jax.named_scope(MXFP8_SCOPE)
-    def matmul(lhs, rhs):
-        return product(_to_3d(lhs, lc, lb), _to_3d(rhs, rc, rb))
+    def matmul(lhs, rhs, known):
+        return product(_to_3d(lhs, lc, lb), _to_3d(rhs, rc, rb), known)
 
     @jax.named_scope(FP8_SCOPE)
     @jax.named_scope(MXFP8_SCOPE)
-    def forward(lhs, rhs):
+    def forward(lhs, rhs, known):
         # Differentiated only as part of a higher-order derivative.
         lhs, rhs = _first_order_only((lhs, rhs))
         lhs3, rhs3 = _to_3d(lhs, lc, lb), _to_3d(rhs, rc, rb)
@@ -227,11 +281,12 @@ def mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
         # the lhs along its free axes (the weight gradient's tokens), the rhs
         # along its own (the input gradient's output features).
         residuals = (mx_quantize(lhs3, axis=1), mx_quantize(rhs3, axis=1))
-        return product(lhs3, rhs3), residuals
+        return product(lhs3, rhs3, known), (residuals, known)
 
     @jax.named_scope(FP8_SCOPE)
     @jax.named_scope(MXFP8_SCOPE)
     def backward(residuals, cotangent):
+        residuals, known = residuals
         (lhs_t, rhs_t), cotangent = _first_order_only((residuals, cotangent))
         g3 = cotangent.reshape(_output_3d(lhs_shape, rhs_shape, dims))
         # d lhs (B, M, K) = g (B, M, N) . rhs^T (B, K, N): contracts N.
@@ -242,7 +297,8 @@ def mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
         drhs3 = _transposed(block_product(*_operands(lhs_t, g3_t), grad_dtype))
         dlhs = _from_3d(dlhs3, lhs_shape, lc, lb)
         drhs = _from_3d(drhs3, rhs_shape, rc, rb)
-        return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype)
+        no_gradient = jax.tree.map(jnp.zeros_like, known)
+        return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype), no_gradient
 
     matmul.defvjp(forward, backward)
     return matmul

@@ -17,7 +17,7 @@ from jaxtyping import Array
 from .._core._platform import with_cpu_form
 from .._jaxpr import _compat as compat
 from ._scaling import E4M3, E5M2, quantize, quantize_and_amax, unscale
-from ._shapes import fp8_eligible, free_axes
+from ._shapes import BLOCK, fp8_eligible, free_axes
 
 
 # The named scope fp8 products run under, and the one products an fp8 rule left in
@@ -60,8 +60,8 @@ def holding_fp8_values() -> Iterator[None]:
 
 
 def remember_fp8(array: Array, quantized: Array, scale: Array) -> Array:
-    """Records that `array`'s tensorwise fp8 form is `quantized` with the float32
-    `scale` (a scalar); returns `array`. Only for a traced `array`: a concrete one
+    """Records that `array`'s fp8 form is `quantized` with `scale` (tensorwise: a
+    float32 scalar; MXFP8: e8m0 block scales along its last axis); returns `array`. Only for a traced `array`: a concrete one
     outlives the trace whose values would be recorded for it (a closed-over weight
     is quantised where it is read). The record lasts while `array`, `quantized`
     and `scale` all live: `array` computed from the other two, or within
@@ -83,16 +83,36 @@ def remember_fp8(array: Array, quantized: Array, scale: Array) -> Array:
     return array
 
 
-def known_fp8(array: Any) -> tuple[Array, Array] | None:
-    """`array`'s fp8 values and scale (shaped to broadcast against it), if
-    recorded and alive."""
+def _recorded(array: Any) -> tuple[Array, Array] | None:
     entry = _known.get(id(array))
     if entry is None or entry[0]() is not array:
         return None
     quantized, scale = entry[1](), entry[2]()
     if quantized is None or scale is None or quantized.shape != array.shape:
         return None
+    return quantized, scale
+
+
+def known_fp8(array: Any) -> tuple[Array, Array] | None:
+    """`array`'s tensorwise fp8 values and scale (shaped to broadcast against it),
+    if recorded and alive."""
+    found = _recorded(array)
+    if found is None or found[1].size != 1:
+        return None
+    quantized, scale = found
     return quantized, jnp.reshape(scale, (1,) * array.ndim)
+
+
+def known_block_scaled(array: Any) -> tuple[Array, Array] | None:
+    """`array`'s MXFP8 values and block scales (one per `BLOCK` values along its last
+    axis), if recorded and alive."""
+    found = _recorded(array)
+    if found is None or found[1].shape != (
+        *array.shape[:-1],
+        -(-array.shape[-1] // BLOCK),
+    ):
+        return None
+    return found
 
 
 def _laid_out(scale: Array, axis_map: dict[int, int], ndim: int) -> Array:

@@ -20,16 +20,15 @@ from .._jaxpr._outer_vmap import batched_after_tracing
 from ._block_scaled import mxfp8_matmul
 from ._delayed import current_supply, delayed_matmul
 from ._products import (
-    FP8_SCOPE,
     FP8_SKIPPED_SCOPE,
-    WEIGHT_AMAX_SCOPE,
     fp8_conv,
     fp8_matmul,
     holding_fp8_values,
+    known_block_scaled,
     known_fp8,
     remember_fp8,
 )
-from ._scaling import E4M3, finite_amax, quantize_with, scale_from_amax
+from ._scaling import E4M3, scale_from_amax
 from ._shapes import (
     BLOCK,
     FP8_MULTIPLE,
@@ -38,13 +37,14 @@ from ._shapes import (
     fp8_eligible,
     mxfp8_eligible,
 )
+from ._weights import GatheredInFp8, quantize_weight, whole_amaxes
 
 
 Scaling = Literal["tensorwise", "rowwise", "mxfp8"]
 SCALINGS = ("tensorwise", "rowwise", "mxfp8")
 
 
-class Fp8Rule:
+class Fp8Rule(GatheredInFp8):
     """`eqx_amp.fp8.TENSORWISE` and `ROWWISE`: `dot_general` runs as an fp8 matmul with current
     scaling (`eqx_amp.fp8.dot_general`) from operands cast to the compute dtype,
     where its shapes allow an fp8 GEMM (every dimension a multiple of 16), and
@@ -159,52 +159,6 @@ class Fp8Rule:
             dims = eqn.params["dimension_numbers"]
             return fp8_cost_reason(lhs, rhs, dims) is None
         return True
-
-    # `gather_params(..., fp8=...)` quantises weight shards through these methods
-    # (tensorwise: one scale per weight, from the amax of all its shards).
-
-    def check_gather(self, compute_dtype: np.dtype) -> None:
-        if self.scaling != "tensorwise":
-            raise TypeError(
-                f"`gather_params(..., fp8={self!r})`: a weight is gathered in fp8 "
-                f"with one scale for all of it, which {self.scaling} products would "
-                "not reuse; pass `eqx_amp.fp8.TENSORWISE`, or leave `fp8` out to "
-                "gather in the compute dtype."
-            )
-        if compute_dtype.itemsize < 2:
-            raise ValueError(
-                "fp8 gathers hand the weights on in the compute dtype, which must be "
-                f"bfloat16, float16 or wider, not {compute_dtype.name}."
-            )
-
-    def weight_amaxes(self, shards: list[Array], axis_name: Any) -> Array:
-        """The largest finite magnitude of each whole weight of which `shards` are
-        the shards over `axis_name`: one float32 vector, from one `pmax`."""
-        return lax.pmax(_weight_amaxes(shards), axis_name)
-
-    def quantize_shard(self, shard: Array, amax: Array) -> tuple[Array, Array]:
-        """A shard in `float8_e4m3fn`, scaled for a weight whose amax is `amax`,
-        and that float32 scale."""
-        scale = scale_from_amax(amax, E4M3)
-        return _quantize_weight(shard, scale), scale
-
-    def dequantize(self, quantized: Array, scale: Array, dtype: Any) -> Array:
-        """A gathered fp8 weight in `dtype`, for the ops that read it as it is,
-        saturated at `dtype`'s largest finite value: with a power-of-two scale an
-        fp8 value can round above the weight's amax, which near the largest
-        value of `dtype` would make it inf."""
-        fp8 = quantized.astype(jnp.float32)
-        # A finite fp8 value times its inverse scale can pass float32's largest
-        # value too (a weight's amax within 1/8 of it): saturate that, not NaN/inf.
-        values = fp8 * (1.0 / scale)
-        largest = float(jnp.finfo(dtype).max)
-        clipped = jnp.clip(values, -largest, largest)
-        return jnp.where(jnp.isfinite(fp8), clipped, values).astype(dtype)
-
-    def remember(self, weight: Array, quantized: Array, scale: Array) -> Array:
-        """Marks `weight` as held in fp8 as `quantized` with `scale`: the fp8
-        matmuls that read it read those values, rather than quantise it again."""
-        return remember_fp8(weight, quantized, scale)
 
     def __repr__(self) -> str:
         suffix = ".with_activation_products()" if self.activation_products else ""
@@ -354,9 +308,8 @@ def matmul_in_fp8(
     lhs_dtype, rhs_dtype = jnp.result_type(lhs), jnp.result_type(rhs)
     if scaling == "mxfp8":
         shapes = (lhs.shape, rhs.shape)
-        return mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype)(
-            lhs, rhs
-        )
+        matmul = mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype)
+        return matmul(lhs, rhs, _known_blocks(lhs, rhs, dims))
     supply = current_supply()
     if supply is not None and scaling == "tensorwise":
         return delayed_matmul(
@@ -367,6 +320,16 @@ def matmul_in_fp8(
     if scaling == "tensorwise":
         known = (known_fp8(lhs), known_fp8(rhs))
     return matmul(lhs, rhs, known)
+
+
+def _known_blocks(lhs, rhs, dims) -> tuple:
+    """The recorded MXFP8 forms of the operands that their product contracts along
+    their last axis alone, where the recorded blocks lie (`known_block_scaled`)."""
+    (lc, rc), (lb, rb) = dims
+    return tuple(
+        known_block_scaled(x) if tuple(c) == (x.ndim - 1,) and not b else None
+        for x, c, b in ((lhs, lc, lb), (rhs, rc, rb))
+    )
 
 
 _DELAYED_BATCHED = (
@@ -493,39 +456,19 @@ def quantize_weights_once(
     if supply is not None and supply.delays_weights:
         # Delayed: the scales are given; the amaxes are handed out by the first
         # product reading each weight.
-        amaxes = _weight_amaxes(cast)
+        amaxes = whole_amaxes(cast)
         for weight, w, amax in zip(weights, cast, amaxes):
             scale = supply.weight_scale()
-            quantized = _quantize_weight(w, lax.stop_gradient(scale))
+            quantized = quantize_weight(w, lax.stop_gradient(scale))
             remember_fp8(weight, quantized, lax.stop_gradient(scale))
             supply.weight_quantized(weight, scale, amax)
         return
     # All the scales as one op: each weight's amax is needed at the same point, so
     # XLA combines their all-reduces into one (scales computed apart let it pair
     # each with a product's amax instead).
-    scales = scale_from_amax(_weight_amaxes(cast), E4M3)
+    scales = scale_from_amax(whole_amaxes(cast), E4M3)
     for weight, w, scale in zip(weights, cast, scales):
-        remember_fp8(weight, _quantize_weight(w, scale), scale)
-
-
-def _weight_amaxes(weights: list[Array]) -> Array:
-    """The largest finite magnitude of each of `weights`, as one float32 vector
-    (without a derivative: scales are constants of the products)."""
-    with jax.named_scope(FP8_SCOPE), jax.named_scope(WEIGHT_AMAX_SCOPE):
-        amaxes = [finite_amax(w, tuple(range(w.ndim))).reshape(()) for w in weights]
-        return lax.stop_gradient(jnp.stack(amaxes))
-
-
-def _quantize_weight(weight: Array, scale: Array) -> Array:
-    """`weight` (or a shard of it) in `float8_e4m3fn` with the float32 `scale`,
-    made without a derivative (its products pass the gradient straight through
-    the rounding)."""
-    # A weight's inf is left to the conversion (a GPU saturates it): with the select
-    # that makes it NaN, XLA's SPMD partitioner stopped all-gathering FSDP weights
-    # in fp8 (`tests/test_sharding_fp8.py`). Activations and gradients, where an
-    # overflow starts, do become NaN.
-    with jax.named_scope(FP8_SCOPE):  # an fp8 cast, as `precision_report` reads them
-        return quantize_with(lax.stop_gradient(weight), scale, E4M3, inf_to_nan=False)
+        remember_fp8(weight, quantize_weight(w, scale), scale)
 
 
 def _takes_fp8(eqn: Any, position: int, w: Any) -> bool:

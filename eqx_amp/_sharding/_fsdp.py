@@ -5,7 +5,7 @@ transposes the gather of the parameters, so `gather_params` casts before it gath
 import contextlib
 import contextvars
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree
 
 from .._core._axes import check_axis_name, unbound_axis_name_error
 from .._core._cast import cast_leaf, is_floating_array, widest_dtype
@@ -79,16 +79,17 @@ def _gather_one(
     reduce_dtype: np.dtype,
     per_device: bool,
     fp8: Any = None,
-    amax: Any = None,
+    in_fp8: "_InFp8 | None" = None,
 ) -> Any:
     """`leaf` cast to `compute_dtype` (if given) and gathered along `axis` (a shard)
     or marked as varying over the axis (`axis=None`: a replicated leaf, which the
     data it meets varies with). Its gradient is summed across the axis, by a
     reduce-scatter or a psum, in `reduce_dtype` (or in the gradient's own dtype, if
     wider); averaged with `per_device` (`jax.pmap`, `shard_map(check_vma=False)`, a
-    named `jax.vmap`). With `fp8` (a tensorwise fp8 rule) and `amax` (the whole
-    weight's), the shard is quantised to fp8 and gathered in it: fp8 matmuls read
-    those values, other ops read them in the compute dtype. The gradient passes
+    named `jax.vmap`). With `fp8` (a tensorwise or MXFP8 rule) and `in_fp8` (what
+    its quantisation needs from the whole weight), the shard is quantised to fp8
+    and gathered in it: fp8 matmuls read those values, other ops read them in the
+    compute dtype. The gradient passes
     straight through the rounding, as the fp8 product's does."""
 
     def cast(x):
@@ -102,9 +103,12 @@ def _gather_one(
         )
 
     fp8_values = None  # made without a derivative: `backward` passes it through
-    if amax is not None and axis is not None:
-        quantized, scale = fp8.quantize_shard(leaf, amax)
-        fp8_values = lax.all_gather(quantized, axis_name, axis=axis, tiled=True), scale
+    if in_fp8 is not None and axis is not None:
+        fp8_values = fp8.gather_shard(
+            leaf,
+            in_fp8.amax,
+            lambda x: lax.all_gather(x, axis_name, axis=axis, tiled=True),
+        )
 
     @jax.custom_vjp
     def gather(leaf, fp8_values):
@@ -188,17 +192,23 @@ def gather_params(
     - `fp8`: `eqx_amp.fp8.TENSORWISE` to all-gather the weights that feed fp8
         products in `float8_e4m3fn`: each shard is quantised with the scale of its
         whole weight (the amaxes of all these weights take one `pmax` together)
-        and gathered in fp8 (half bfloat16's bytes). The model's fp8 matmuls
-        (`filter_amp(..., fp8=...)`, an fp8 rule of `autocast`) read those fp8
-        values; other ops read the weight in the compute dtype (which quantises
-        again to the same values). The model must run those products in fp8:
-        this only moves the bytes. Gradients are reduce-scattered as without it.
+        and gathered in fp8 (half bfloat16's bytes). `eqx_amp.fp8.MXFP8`: each
+        shard is quantised in blocks of 32 along the weight's last axis (an
+        `eqx.nn.Linear`'s input features, which its forward product contracts)
+        and gathered as e4m3 values and e8m0 block scales (33/64 of bfloat16's
+        bytes). The model's fp8 matmuls (`filter_amp(..., fp8=...)`, an fp8 rule
+        of `autocast`, the same rule) read those fp8 values; other ops read the
+        weight in the compute dtype (which quantises again to the same values;
+        MXFP8's backward product for the input quantises it along the output
+        features). The model must run those products in fp8: this only moves the
+        bytes. Gradients are reduce-scattered as without it.
     - `fp8_filter`: the modules whose weights (arrays of two dimensions or more)
         are gathered in fp8; `None` means `eqx.nn.Linear` and `eqx.nn.Conv` layers
-        whose gathered weight has every dimension a multiple of 16 (the others
-        gather as without `fp8`). A weight it selects that cannot be gathered in
-        fp8 (not floating, not cast by `filter_spec`, a dimension not a multiple
-        of 16) is an error naming it.
+        whose gathered weight fits the format (tensorwise: every dimension a
+        multiple of 16; MXFP8: two dimensions, the last a multiple of 32 in every
+        shard), the others gather as without `fp8`. A weight it selects that
+        cannot be gathered in fp8 (not floating, not cast by `filter_spec`, a
+        shape that does not fit) is an error naming it.
 
     **Returns:**
 
@@ -208,8 +218,8 @@ def gather_params(
 
     `ValueError` if nothing in `shards` is sharded over `axis_name`, or `specs` does
     not fit `shards`, or `fp8` is given and no weight can be gathered in fp8 (or
-    one `fp8_filter` selects cannot); `TypeError` for an `fp8` that is not a
-    tensorwise fp8 rule; `NameError` if `axis_name` is not a mapped axis here.
+    one `fp8_filter` selects cannot); `TypeError` for an `fp8` that is not
+    `TENSORWISE` or `MXFP8`; `NameError` if `axis_name` is not a mapped axis here.
 
     **Example:**
 
@@ -234,32 +244,42 @@ def gather_params(
     if any(d is not None for d in jtu.tree_leaves(dims, is_leaf=is_none)):
         _record_gather(axis_name)
 
-    def gather(selected, dim, amax, leaf):
+    def gather(selected, dim, in_fp8, leaf):
         if not eqx.is_array(leaf):
             return leaf
         compute = policy.compute_dtype if selected else None
         return _gather_one(
-            leaf, axis_name, dim, compute, policy.reduce_dtype, per_device, fp8, amax
+            leaf, axis_name, dim, compute, policy.reduce_dtype, per_device, fp8, in_fp8
         )
 
     with unbound_axis_name_error(axis_name):
         if fp8 is None:
-            amaxes = jtu.tree_map(lambda _: None, mask)
+            plans = jtu.tree_map(lambda _: None, mask)
         else:
             if not hasattr(fp8, "check_gather"):
-                raise TypeError(f"`fp8` must be eqx_amp.fp8.TENSORWISE, not {fp8!r}.")
+                raise TypeError(
+                    "`fp8` must be eqx_amp.fp8.TENSORWISE or eqx_amp.fp8.MXFP8, "
+                    f"not {fp8!r}."
+                )
             fp8.check_gather(policy.compute_dtype)
-            amaxes = _fp8_amaxes(shards, axis_name, dims, mask, fp8, fp8_filter)
-        return jtu.tree_map(gather, mask, dims, amaxes, shards)
+            plans = _fp8_plans(shards, axis_name, dims, mask, fp8, fp8_filter)
+        return jtu.tree_map(gather, mask, dims, plans, shards)
 
 
 def _default_fp8_filter(module: Any) -> bool:
     return isinstance(module, eqx.nn.Linear | eqx.nn.Conv)
 
 
-def _fp8_amaxes(shards, axis_name, dims, mask, fp8, fp8_filter) -> PyTree:
-    """For each leaf: the amax of the whole weight it is a shard of, if it is
-    gathered in fp8, else None. The amaxes of all of them take one `pmax`."""
+class _InFp8(NamedTuple):
+    """A weight shard to gather in fp8, with what its quantisation needs from the
+    whole weight (`Fp8Rule.weight_amaxes`)."""
+
+    amax: Array | None
+
+
+def _fp8_plans(shards, axis_name, dims, mask, fp8, fp8_filter) -> PyTree:
+    """For each leaf: `_InFp8` if it is gathered in fp8, else None. Tensorwise
+    amaxes of all of them take one `pmax`."""
     chosen = in_selected_modules(shards, fp8_filter or _default_fp8_filter)
     flat, treedef = jtu.tree_flatten_with_path(shards)
     size = lax.axis_size(axis_name)
@@ -271,7 +291,9 @@ def _fp8_amaxes(shards, axis_name, dims, mask, fp8, fp8_filter) -> PyTree:
             picked.append(False)
             continue
         shape = tuple(n * size if i == dim else n for i, n in enumerate(leaf.shape))
-        problem = _fp8_gather_problem(leaf, cast, shape, fp8.multiple)
+        problem = _fp8_gather_problem(leaf, cast) or fp8.gather_problem(
+            leaf.shape, shape, dim
+        )
         if problem is not None and fp8_filter is not None:
             raise (TypeError if "floating" in problem else ValueError)(
                 f"`gather_params(..., fp8=...)`: the weight {jtu.keystr(path)} "
@@ -283,26 +305,22 @@ def _fp8_amaxes(shards, axis_name, dims, mask, fp8, fp8_filter) -> PyTree:
     amaxes = iter(
         fp8.weight_amaxes([x for (_, x), p in zip(flat, picked) if p], axis_name)
     )
-    return treedef.unflatten([next(amaxes) if p else None for p in picked])
+    return treedef.unflatten([_InFp8(next(amaxes)) if p else None for p in picked])
 
 
-def _fp8_gather_problem(leaf, cast: bool, shape, multiple: int) -> str | None:
+def _fp8_gather_problem(leaf, cast: bool) -> str | None:
     if not is_floating_array(leaf):
         return "it is not floating (only floating weights are quantised)"
     if not cast:
         return "`filter_spec` keeps it in its dtype, so no product reads it in fp8"
-    if any(n % multiple for n in shape):
-        return (
-            f"its gathered shape {shape} has a dimension that is not a multiple of "
-            f"{multiple}, so its products cannot run in fp8"
-        )
     return None
 
 
 _NO_FP8_WEIGHT = (
     "`gather_params(..., fp8=...)` found no weight to gather in fp8 (sharded over "
     "{axis!r}, in a module `fp8_filter` selects, by default `eqx.nn.Linear` and "
-    "`eqx.nn.Conv`, every dimension a multiple of 16): leave `fp8` out."
+    "`eqx.nn.Conv`; tensorwise: every dimension a multiple of 16; MXFP8: two "
+    "dimensions, the last a multiple of 32 in every shard): leave `fp8` out."
 )
 
 

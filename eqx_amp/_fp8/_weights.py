@@ -1,0 +1,133 @@
+"""Weights in fp8 before their products read them: quantised once per call
+(`filter_amp`, `BiModel`, `autocast` with tensorwise rules), or shard by shard and
+all-gathered in fp8 (`gather_params(..., fp8=...)`, through `GatheredInFp8`, the
+methods the fp8 rules lend it)."""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array
+
+from ._block_scaled import mx_dequantize, mx_quantize_weight
+from ._products import FP8_SCOPE, WEIGHT_AMAX_SCOPE, remember_fp8
+from ._scaling import E4M3, finite_amax, quantize_with, scale_from_amax
+from ._shapes import BLOCK
+
+
+def whole_amaxes(weights: list[Array]) -> Array:
+    """The largest finite magnitude of each of `weights`, as one float32 vector
+    (without a derivative: scales are constants of the products)."""
+    with jax.named_scope(FP8_SCOPE), jax.named_scope(WEIGHT_AMAX_SCOPE):
+        amaxes = [finite_amax(w, tuple(range(w.ndim))).reshape(()) for w in weights]
+        return lax.stop_gradient(jnp.stack(amaxes))
+
+
+def quantize_weight(weight: Array, scale: Array) -> Array:
+    """`weight` (or a shard of it) in `float8_e4m3fn` with the float32 `scale`,
+    made without a derivative (its products pass the gradient straight through
+    the rounding)."""
+    # A weight's inf is left to the conversion (a GPU saturates it): with the select
+    # that makes it NaN, XLA's SPMD partitioner stopped all-gathering FSDP weights
+    # in fp8 (`tests/test_sharding_fp8.py`). Activations and gradients, where an
+    # overflow starts, do become NaN.
+    with jax.named_scope(FP8_SCOPE):  # an fp8 cast, as `precision_report` reads them
+        return quantize_with(lax.stop_gradient(weight), scale, E4M3, inf_to_nan=False)
+
+
+class GatheredInFp8:
+    """How `gather_params(..., fp8=rule)` quantises weight shards and gathers them
+    for an fp8 rule (of `scaling` and `multiple`). Tensorwise: one scale per
+    weight, from the amax of all its shards (one `pmax` for all the weights).
+    MXFP8: blocks of 32 along each weight's last axis, each whole within a shard,
+    gathered as e4m3 values and e8m0 scales."""
+
+    scaling: str
+    multiple: int
+
+    def check_gather(self, compute_dtype: np.dtype) -> None:
+        if self.scaling == "rowwise":
+            raise TypeError(
+                f"`gather_params(..., fp8={self!r})`: rowwise products quantise each "
+                "weight along the rows of each product, which one gathered form "
+                "would not give; pass `eqx_amp.fp8.TENSORWISE` or "
+                "`eqx_amp.fp8.MXFP8`, or leave `fp8` out to gather in the compute "
+                "dtype."
+            )
+        if compute_dtype.itemsize < 2:
+            raise ValueError(
+                "fp8 gathers hand the weights on in the compute dtype, which must be "
+                f"bfloat16, float16 or wider, not {compute_dtype.name}."
+            )
+
+    def gather_problem(self, shard_shape, shape, dim: int) -> str | None:
+        """Why a weight of gathered `shape`, sharded along `dim` into shards of
+        `shard_shape`, cannot be gathered in this format; None if it can."""
+        if self.scaling == "mxfp8":
+            if len(shape) != 2:
+                return (
+                    "MXFP8 gathers weights of two dimensions (an `eqx.nn.Linear`'s), "
+                    "blocked along the last; its convolutions are tensorwise"
+                )
+            if shape[-1] % BLOCK:
+                return (
+                    f"its last dimension ({shape[-1]}) is not a multiple of "
+                    f"{BLOCK}, MXFP8's block"
+                )
+            if dim == len(shape) - 1 and shard_shape[-1] % BLOCK:
+                return (
+                    f"its shards {tuple(shard_shape)} split blocks of {BLOCK} along "
+                    "its last dimension"
+                )
+            return None
+        if any(n % self.multiple for n in shape):
+            return (
+                f"its gathered shape {tuple(shape)} has a dimension that is not a "
+                f"multiple of {self.multiple}, so its products cannot run in fp8"
+            )
+        return None
+
+    def weight_amaxes(self, shards: list[Array], axis_name: Any) -> list:
+        """What quantising each of `shards` needs from the whole weight it is a
+        shard of over `axis_name`: tensorwise, its largest finite magnitude (one
+        `pmax` for all); MXFP8, nothing (None: its blocks lie within the shard)."""
+        if self.scaling == "mxfp8":
+            return [None] * len(shards)
+        return list(lax.pmax(whole_amaxes(shards), axis_name))
+
+    def gather_shard(
+        self, shard: Array, amax: Array | None, gather: Callable[[Array], Array]
+    ) -> tuple[Array, Array]:
+        """`shard` quantised (with its weight's `amax`, for tensorwise scales) and
+        gathered by `gather`: the weight's fp8 values and their scale (tensorwise:
+        float32) or block scales (MXFP8: e8m0, gathered too)."""
+        if self.scaling == "mxfp8":
+            # Made without a derivative, as tensorwise values are: the gradient
+            # passes straight through the gather (`gather_params`).
+            values, scales = mx_quantize_weight(lax.stop_gradient(shard))
+            return gather(values), gather(scales)
+        scale = scale_from_amax(amax, E4M3)
+        return gather(quantize_weight(shard, scale)), scale
+
+    def dequantize(self, quantized: Array, scale: Array, dtype: Any) -> Array:
+        """A gathered fp8 weight in `dtype`, for the ops that read it as it is,
+        saturated at `dtype`'s largest finite value: with a power-of-two scale an
+        fp8 value can round above the weight's amax, which near the largest
+        value of `dtype` would make it inf."""
+        if self.scaling == "mxfp8":
+            return mx_dequantize(quantized, scale, dtype)
+        fp8 = quantized.astype(jnp.float32)
+        # A finite fp8 value times its inverse scale can pass float32's largest
+        # value too (a weight's amax within 1/8 of it): saturate that, not NaN/inf.
+        values = fp8 * (1.0 / scale)
+        largest = float(jnp.finfo(dtype).max)
+        clipped = jnp.clip(values, -largest, largest)
+        return jnp.where(jnp.isfinite(fp8), clipped, values).astype(dtype)
+
+    def remember(self, weight: Array, quantized: Array, scale: Array) -> Array:
+        """Marks `weight` as held in fp8 as `quantized` with `scale`: the fp8
+        matmuls that read it read those values, rather than quantise it again."""
+        return remember_fp8(weight, quantized, scale)
