@@ -169,6 +169,70 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def compile_mxfp8_fsdp(devices: int = 8, width: int = 256) -> dict:
+    """An MLP's training step (two `eqx.nn.Linear`, `width` -> `4 * width` ->
+    `width`, MXFP8 products by `filter_amp`) under `jax.shard_map` FSDP on
+    `devices` deviceless B200s in one host, its weights gathered by
+    `gather_params` in bfloat16 and in MXFP8: for each, the collectives XLA's GPU
+    pipeline leaves (by kind and dtype, `_gpu_hlo.collectives`) and the products
+    (`block_scaled_check`)."""
+    import _gpu_hlo
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import jax.random as jr
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import eqx_amp
+
+    mesh = jax.sharding.Mesh(
+        np.array(deviceless_devices("b200", TARGET, devices)), ("data",)
+    )
+    k1, k2 = jr.split(jr.key(0))
+    mlp = eqx.nn.Sequential(
+        [
+            eqx.nn.Linear(width, 4 * width, key=k1),
+            eqx.nn.Lambda(jax.nn.relu),
+            eqx.nn.Linear(4 * width, width, key=k2),
+        ]
+    )
+    params, static = eqx.partition(mlp, eqx.is_inexact_array)
+    specs = jax.tree.map(lambda _: PartitionSpec("data"), params)
+    mxfp8 = eqx_amp.fp8.MXFP8
+
+    def spec(shape, dtype, s):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, s))
+
+    out = {}
+    for name, fp8 in (("bf16", None), ("mxfp8", mxfp8)):
+
+        def loss(shards, x, fp8=fp8):
+            gathered = eqx_amp.sharding.gather_params(
+                shards, "data", specs=specs, fp8=fp8
+            )
+            model = eqx.filter_vmap(eqx.combine(gathered, static))
+            y = eqx_amp.filter_amp(model, fp8=mxfp8)(x).astype(jnp.float32)
+            return jax.lax.pmean(jnp.mean(y**2), "data")
+
+        step = jax.shard_map(
+            jax.grad(loss),
+            mesh=mesh,
+            in_specs=(specs, PartitionSpec("data")),
+            out_specs=specs,
+        )
+        args = (
+            jax.tree.map(lambda x, s: spec(x.shape, x.dtype, s), params, specs),
+            spec((devices * 128, width), jnp.bfloat16, PartitionSpec("data")),
+        )
+        text = jax.jit(step).lower(*args).compile(NO_TRITON_GEMM).as_text()
+        out[name] = {
+            "collectives": _gpu_hlo.collectives(text),
+            **block_scaled_check(text),
+        }
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=("tiny", "cpu", "gpu"), default="cpu",

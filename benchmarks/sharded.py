@@ -91,9 +91,11 @@ _ITEMSIZE = {
     "pred": 1,
     "f8e4m3fn": 1,
     "f8e5m2": 1,
+    "f8e8m0fnu": 1,
 }
-# fp8 cases compute in bfloat16 with tensorwise fp8 products.
-FP8 = eqx_amp.fp8.TENSORWISE
+# fp8 cases compute in bfloat16 with tensorwise fp8 products, mxfp8 cases with
+# block-scaled ones.
+FP8_RULES = {"fp8": eqx_amp.fp8.TENSORWISE, "mxfp8": eqx_amp.fp8.MXFP8}
 _COLLECTIVE = re.compile(
     r"=\s*(?P<type>\(?[a-z0-9]+\[[^=]*?)\s"
     r"(?P<kind>all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
@@ -136,7 +138,8 @@ def cases(
             out.append(Case("fp32", "f32", "compute", mesh, engine))
             if fp8 or not quick:
                 out += [
-                    Case(v, "fp8", "compute", mesh, engine)
+                    Case(v, dtype, "compute", mesh, engine)
+                    for dtype in FP8_RULES
                     for v in _FP8_PATHS
                     if v != "bimodel" or engine == "jit"
                 ]
@@ -221,7 +224,7 @@ def _forward(case: Case, model, tokens):
         return jax.vmap(model)(inputs)
     if case.variant == "hand":
         return jax.vmap(hand_cast(model, _HALF[case.dtype]))(inputs)
-    fp8 = FP8 if case.dtype == "fp8" else None
+    fp8 = FP8_RULES.get(case.dtype)
     if case.variant == "filter_amp":
         return jax.vmap(eqx_amp.filter_amp(model, policy=case.policy, fp8=fp8))(inputs)
     if case.variant == "autocast":
@@ -270,7 +273,7 @@ def build_step(case: Case, static, mesh) -> Callable:
                 bimodel = eqx_amp.BiModel(
                     eqx.combine(params, static),
                     policy=case.policy,
-                    fp8=FP8 if case.dtype == "fp8" else None,
+                    fp8=FP8_RULES.get(case.dtype),
                 )
                 (_, grads), *_ = eqx_amp.filter_value_and_grad(
                     lambda m, t: cross_entropy(jax.vmap(m)(t[:, :-1]), t[:, 1:])
@@ -303,7 +306,7 @@ def build_step(case: Case, static, mesh) -> Callable:
                 DATA,
                 specs=specs,
                 policy=case.policy,
-                fp8=FP8 if case.dtype == "fp8" else None,
+                fp8=FP8_RULES.get(case.dtype),
             )
         return jax.lax.pmean(loss(params, tokens), DATA)
 
@@ -340,7 +343,23 @@ _DEFINITION = re.compile(
 # Ops that move a parameter without computing from it, and the elementwise ops of
 # an fp8 quantisation (scaled, clipped, non-finite values kept).
 _PASS_THROUGH = {"convert", "copy", "bitcast", "reshape", "transpose", "custom-call"}
-_QUANTISING = {"multiply", "clamp", "select"}
+# The ops that quantise a weight: its fp8 values (scaled, clamped) and, for MXFP8,
+# its e8m0 block scales (a block amax's exponent bits, rounded up).
+_QUANTISING = {
+    "multiply",
+    "clamp",
+    "select",
+    "reduce",
+    "abs",
+    "divide",
+    "bitcast-convert",
+    "shift-right-logical",
+    "shift-left",
+    "and",
+    "add",
+    "minimum",
+    "compare",
+}
 
 
 def _reaches_parameter(name: str, defs: dict) -> bool:
@@ -513,7 +532,7 @@ def measure(case: Case, model, tokens, reference) -> dict:
         "grad_error": _rel_error(grads, reference),
         "grad_error_one_device": (
             _one_device_error(case, model, tokens, reference)
-            if case.dtype == "fp8" or case.variant == "autocast"
+            if case.dtype in FP8_RULES or case.variant == "autocast"
             else None
         ),
         # Small float32 all-reduces: the loss's mean, fp8 amaxes.
@@ -562,10 +581,12 @@ def _add_fp8_gather_ratios(rows: list[dict]) -> None:
     }
     for r in rows:
         gathers = r["collectives"].get("param_gather", {})
-        if r["dtype"] != "fp8" or (r["mesh"], r["engine"]) not in bf16:
+        if r["dtype"] not in FP8_RULES or (r["mesh"], r["engine"]) not in bf16:
             continue
         same = sum(bf16[r["mesh"], r["engine"]].values()) - gathers.get("bf16", 0)
-        r["fp8_gather_ratio"] = gathers.get("f8e4m3fn", 0) / same if same else None
+        # MXFP8 weights gather their e8m0 block scales beside the e4m3 values.
+        fp8 = gathers.get("f8e4m3fn", 0) + gathers.get("f8e8m0fnu", 0)
+        r["fp8_gather_ratio"] = fp8 / same if same else None
 
 
 def _fmt_bytes(by_dtype: dict | None) -> str:
@@ -627,7 +648,7 @@ def main(argv=None) -> None:
         print("\nfp8 weight all-gathers x the same weights' in bfloat16:")
         for r in ratios:
             print(
-                f"  {r['variant']} {r['mesh']} {r['engine']}: "
+                f"  {r['variant']} {r['dtype']} {r['mesh']} {r['engine']}: "
                 f"{r['fp8_gather_ratio']:.2f}x; weight amaxes in "
                 f"{r['weight_amax_all_reduces']} all-reduce(s) after XLA's passes"
             )

@@ -8,7 +8,8 @@ one (benchmarks/b200_aot.py). Needs the CUDA plugin, not a GPU:
 - the GPT and Llama-style training steps on every MXFP8 road (`autocast`,
   `filter_amp(fp8=)`, `BiModel(fp8=)`): every product eqx_amp made an MXFP8 one is
   `__cudnn$blockScaledDot`, one forward and two backward per matmul, and the
-  residuals saved for the backward pass are fewer bytes than hand-cast bfloat16's.
+  residuals saved for the backward pass are fewer bytes than hand-cast bfloat16's;
+- an MLP under `jax.shard_map` FSDP on 8 B200s, its weights gathered in MXFP8.
 """
 
 import json
@@ -95,3 +96,48 @@ def test_every_road_is_cudnn_block_scaled(compiled, model):
         assert row["block_scaled_backward"] == 2 * forward, row["variant"]
         assert row["mxfp8_not_cudnn"] == [], row["variant"]
         assert row["saved"] < hand["saved"], row["variant"]
+
+
+FSDP_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = [sys.argv[1], sys.argv[1] + "/.."]
+    import b200_aot
+    print("RESULT" + json.dumps(b200_aot.compile_mxfp8_fsdp()))
+    """
+)
+
+
+def test_mxfp8_fsdp_gathers_e4m3_values_and_e8m0_scales_on_eight_b200s():
+    """`gather_params(..., fp8=MXFP8)` under `jax.shard_map` FSDP, compiled for 8
+    B200s: the weights all-gather as e4m3 values and e8m0 scales (0.52x the
+    bfloat16 gather's bytes, biases in bfloat16), and every product is still a
+    cuDNN block-scaled GEMM (two forward, three backward: the first layer's input
+    gradient is not asked for)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FSDP_SCRIPT, str(BENCHMARKS)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
+    found = json.loads(line[len("RESULT") :])
+    bf16, mxfp8 = found["bf16"]["collectives"], found["mxfp8"]["collectives"]
+    gathered = {
+        k: v
+        for k, v in mxfp8.items()
+        if k.startswith("all-gather ") and "count" not in k
+    }
+    assert set(gathered) == {
+        "all-gather f8e4m3fn",
+        "all-gather f8e8m0fnu",
+        "all-gather bf16",
+    }
+    ratio = sum(gathered.values()) / bf16["all-gather bf16"]
+    assert ratio <= 0.55, ratio
+    # Gradients are reduce-scattered in bfloat16 either way.
+    assert mxfp8["reduce-scatter bf16"] == bf16["reduce-scatter bf16"]
+    for row in found.values():
+        assert (row["block_scaled_forward"], row["block_scaled_backward"]) == (2, 3)
+        assert row["mxfp8_not_cudnn"] == []
