@@ -14,7 +14,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
-from .._core._platform import with_cpu_form
+from .._core._platform import CPU_SUMS_HALF_PRODUCTS_IN_HALF, with_cpu_form
 from .._jaxpr import _compat as compat
 from ._scaling import E4M3, E5M2, quantize, quantize_and_amax, unscale
 from ._shapes import BLOCK, fp8_eligible, free_axes
@@ -177,7 +177,12 @@ def _fp8_forward(lhs, rhs, dims, scaling, out_dtype, known=(None, None)):
 
 
 def _fp8_product(
-    lhs: Array, rhs: Array, dims, dtype: Any = jnp.float32, *, backward: bool = False
+    lhs: Array,
+    rhs: Array,
+    dims,
+    dtype: Any = jnp.float32,
+    *,
+    backward: bool = False,
 ) -> Array:
     """The product of two fp8 arrays, accumulated in float32. The dot reads the fp8
     arrays themselves: with conversions up in front of it, XLA may merge dots that
@@ -208,19 +213,23 @@ def _fp8_product(
         return product.astype(dtype)
     precision = lax.Precision.HIGHEST if backward else None
 
-    def emitting(out_dtype):
-        def product(lhs, rhs):
-            return lax.dot_general(
-                lhs, rhs, dims, precision=precision, preferred_element_type=out_dtype
-            ).astype(dtype)
+    def product(lhs, rhs):
+        return lax.dot_general(
+            lhs, rhs, dims, precision=precision, preferred_element_type=dtype
+        )
 
-        return product
-
-    # A GPU's or TPU's fp8 GEMM accumulates in float32 whatever it writes. XLA's
-    # CPU runtime may accumulate a dot that emits bfloat16 in bfloat16 (jax 0.12:
-    # a weight gradient summed over 16 examples ended up to 20% off), so a CPU is
-    # asked for float32 and rounds once at the end.
-    return with_cpu_form(lhs, rhs, cpu=emitting(jnp.float32), default=emitting(dtype))
+    if not (backward and CPU_SUMS_HALF_PRODUCTS_IN_HALF):
+        return product(lhs, rhs)
+    # Long sums (a weight gradient's over the batch), which such a CPU may take in
+    # bfloat16: it emits float32 and rounds once.
+    return with_cpu_form(
+        lhs,
+        rhs,
+        cpu=lambda lhs, rhs: lax.dot_general(
+            lhs, rhs, dims, precision=precision, preferred_element_type=jnp.float32
+        ).astype(dtype),
+        default=product,
+    )
 
 
 def _operand_cotangent(

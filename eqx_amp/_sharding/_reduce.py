@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 
 from .._core._cast import is_floating_array, widest_dtype
-from .._core._platform import with_cpu_form
+from .._core._platform import CPU_SUMS_HALF_PRODUCTS_IN_HALF, with_cpu_form
 from .._core._wrapper import warn_once
 from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import batched_like, evaluate
@@ -51,21 +51,20 @@ class _SumIn(Hook):
 
     def equation(self, eqn, invals, origins, frame, evaluate: Evaluate) -> list:
         if eqn.primitive in _MATMULS:
+            params = dict(eqn.params, preferred_element_type=self.dtype)
             # A CPU reads float32 operands holding the half values (its runtime
-            # cannot run every mixed-dtype dot) and sums in float32: asked for a
-            # half output it may sum in half (jax 0.12), which no accelerator does.
-            def product(*vals, dtype=self.dtype):
-                return evaluate(
-                    list(vals), {**eqn.params, "preferred_element_type": dtype}
-                )
+            # cannot run every mixed-dtype dot); where it may sum a product that
+            # emits half in half, it emits float32 and rounds once.
+            cpu_dtype = _F32 if CPU_SUMS_HALF_PRODUCTS_IN_HALF else self.dtype
+            cpu = dict(params, preferred_element_type=cpu_dtype)
 
             def on_cpu(*vals):
-                return cast_to(
-                    product(*cast_to(vals, [_F32] * len(vals)), dtype=_F32),
-                    [self.dtype],
-                )
+                out = evaluate(cast_to(list(vals), [cpu_dtype] * len(vals)), cpu)
+                return cast_to(out, [self.dtype] * len(out))
 
-            return with_cpu_form(*invals, cpu=on_cpu, default=product)
+            return with_cpu_form(
+                *invals, cpu=on_cpu, default=lambda *vals: evaluate(list(vals), params)
+            )
         dtypes = {v.dtype for v in invals if is_floating_array(v)}
         if eqn.primitive in _SUMS:
             target = widest_dtype([self.dtype, *dtypes])
