@@ -61,9 +61,9 @@ def holding_fp8_values() -> Iterator[None]:
 
 def remember_fp8(array: Array, quantized: Array, scale: Array) -> Array:
     """Records that `array`'s fp8 form is `quantized` with `scale` (tensorwise: a
-    float32 scalar; MXFP8: e8m0 block scales along its last axis); returns `array`. Only for a traced `array`: a concrete one
-    outlives the trace whose values would be recorded for it (a closed-over weight
-    is quantised where it is read). The record lasts while `array`, `quantized`
+    float32 scalar; MXFP8: e8m0 block scales along its last axis); returns `array`.
+    Only for a traced `array`: a concrete one outlives the trace whose values would
+    be recorded for it (a closed-over weight is quantised where it is read). The record lasts while `array`, `quantized`
     and `scale` all live: `array` computed from the other two, or within
     `holding_fp8_values()`."""
     if not compat.is_traced(array):
@@ -177,12 +177,7 @@ def _fp8_forward(lhs, rhs, dims, scaling, out_dtype, known=(None, None)):
 
 
 def _fp8_product(
-    lhs: Array,
-    rhs: Array,
-    dims,
-    dtype: Any = jnp.float32,
-    *,
-    backward: bool = False,
+    lhs: Array, rhs: Array, dims, dtype: Any = jnp.float32, *, backward: bool = False
 ) -> Array:
     """The product of two fp8 arrays, accumulated in float32. The dot reads the fp8
     arrays themselves: with conversions up in front of it, XLA may merge dots that
@@ -213,23 +208,17 @@ def _fp8_product(
         return product.astype(dtype)
     precision = lax.Precision.HIGHEST if backward else None
 
-    def product(lhs, rhs):
+    def product(lhs, rhs, emit=dtype):
         return lax.dot_general(
-            lhs, rhs, dims, precision=precision, preferred_element_type=dtype
-        )
+            lhs, rhs, dims, precision=precision, preferred_element_type=emit
+        ).astype(dtype)
 
     if not (backward and CPU_SUMS_HALF_PRODUCTS_IN_HALF):
         return product(lhs, rhs)
     # Long sums (a weight gradient's over the batch), which such a CPU may take in
-    # bfloat16: it emits float32 and rounds once.
-    return with_cpu_form(
-        lhs,
-        rhs,
-        cpu=lambda lhs, rhs: lax.dot_general(
-            lhs, rhs, dims, precision=precision, preferred_element_type=jnp.float32
-        ).astype(dtype),
-        default=product,
-    )
+    # bfloat16: there it emits float32 and rounds once.
+    cpu = ft.partial(product, emit=jnp.float32)
+    return with_cpu_form(lhs, rhs, cpu=cpu, default=product)
 
 
 def _operand_cotangent(
