@@ -55,7 +55,7 @@ def _mesh():
     return jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def _step(static, specs, fp8, road="filter_amp", model_fp8=FP8, **options):
+def _loss(static, specs, fp8, road="filter_amp", model_fp8=FP8, **options):
     def loss(shards, x):
         gathered = eqx_amp.sharding.gather_params(
             shards, "data", specs=specs, fp8=fp8, **options
@@ -71,6 +71,11 @@ def _step(static, specs, fp8, road="filter_amp", model_fp8=FP8, **options):
             )
         return jax.lax.pmean(jnp.mean(out.astype(jnp.float32) ** 2), "data")
 
+    return loss
+
+
+def _step(static, specs, fp8, road="filter_amp", model_fp8=FP8, **options):
+    loss = _loss(static, specs, fp8, road, model_fp8, **options)
     # Jitted: an eager `shard_map` dispatches each op of the step on its own.
     return jax.jit(
         jax.shard_map(
@@ -581,3 +586,39 @@ def test_mxfp8_gather_errors_name_the_leaf(getkey):
     assert "two dimensions" in MX.gather_problem((8, 4, 3, 3), (16, 4, 3, 3), 0)
     with pytest.raises(TypeError, match="TENSORWISE or eqx_amp.fp8.MXFP8"):
         jax.make_jaxpr(_step(odd[1], odd_specs, "mxfp8"))(odd[0], x)
+
+
+@pytest.mark.parametrize("mode", ["check_vma=False", "named vmap"])
+def test_mxfp8_gathers_under_every_mapping(getkey, mode):
+    """Under `jax.shard_map(check_vma=False)` and a named `jax.vmap` (two members,
+    each holding half of every weight's rows), the MXFP8 gather gives the gradients
+    of `check_vma=True` on one device: the blocks lie along the rows' last axis, so
+    each member quantises its rows as the whole weight's are quantised."""
+    model = _Net(getkey())
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    specs = jax.tree_util.tree_map(lambda _: P("data"), params)
+    x = jr.normal(getkey(), (48, 32))
+    reference = _step(static, specs, MX, model_fp8=MX)(params, x)
+    loss = _loss(static, specs, MX, model_fp8=MX)
+    if mode == "check_vma=False":
+        grads = jax.jit(
+            jax.shard_map(
+                jax.grad(loss),
+                mesh=_mesh(),
+                in_specs=(specs, P()),
+                out_specs=specs,
+                check_vma=False,
+            )
+        )(params, x)
+    else:
+        halves = jax.tree_util.tree_map(
+            lambda a: a.reshape(2, a.shape[0] // 2, *a.shape[1:]), params
+        )
+        members = jax.jit(
+            jax.vmap(jax.grad(loss), in_axes=(0, None), axis_name="data")
+        )(halves, x)
+        grads = jax.tree_util.tree_map(lambda g: g.reshape(-1, *g.shape[2:]), members)
+    for got, want in zip(
+        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(reference)
+    ):
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-6)
