@@ -107,7 +107,8 @@ class GatheredInFp8:
         if self.scaling == "mxfp8":
             # Made without a derivative, as tensorwise values are: the gradient
             # passes straight through the gather (`gather_params`).
-            values, scales = mx_quantize_weight(lax.stop_gradient(shard))
+            with jax.named_scope(FP8_SCOPE):  # as `precision_report` reads casts
+                values, scales = mx_quantize_weight(lax.stop_gradient(shard))
             return gather(values), gather(scales)
         scale = scale_from_amax(amax, E4M3)
         return gather(quantize_weight(shard, scale)), scale
