@@ -452,7 +452,9 @@ def test_fp8_gather_edge_values(getkey, case, rule):
 # Slow tier: `jax.checking_leaks` traces without caches and scans the heap; the four
 # roads took a quarter of the fast tier's time.
 @pytest.mark.slow
-@pytest.mark.parametrize("road", ["filter_amp", "autocast", "bimodel", "gather"])
+@pytest.mark.parametrize(
+    "road", ["filter_amp", "autocast", "bimodel", "gather", "mxfp8 gather"]
+)
 def test_fp8_roads_hold_no_tracer_past_the_trace(getkey, road):
     """What a road records of a weight's fp8 form (quantised once per call, or
     gathered in fp8) lives no longer than the trace: `jax.checking_leaks` finds no
@@ -476,6 +478,8 @@ def test_fp8_roads_hold_no_tracer_past_the_trace(getkey, road):
 
     if road == "gather":
         steps = [_step(static, specs, FP8)]
+    elif road == "mxfp8 gather":
+        steps = [_step(static, specs, MX, model_fp8=MX)]
     else:  # the forward pass alone, and with its gradient
         steps = [jax.jit(loss), jax.jit(jax.grad(loss))]
 
