@@ -561,9 +561,9 @@ def test_mxfp8_gathers_e4m3_values_and_e8m0_scales(getkey, road):
 
 def test_mxfp8_gather_errors_name_the_leaf(getkey):
     """A weight `fp8_filter` picks whose last axis is not a multiple of 32, or whose
-    shards would split blocks, or that is not a matrix (MXFP8 convolutions are
-    tensorwise), is refused by name; by default such weights gather as without
-    fp8. ROWWISE is refused: no one gathered form serves its products."""
+    shards would split blocks, is refused by name; by default such weights, and
+    convolutions' (MXFP8 convolutions are tensorwise), gather as without fp8.
+    ROWWISE is refused: no one gathered form serves its products."""
     odd = eqx.partition(_Net(getkey(), width=48), eqx.is_inexact_array)
     odd_specs = jax.tree_util.tree_map(lambda _: P("data"), odd[0])
     x = jr.normal(getkey(), (8, 48))
@@ -587,7 +587,10 @@ def test_mxfp8_gather_errors_name_the_leaf(getkey):
     ]
     assert "split blocks of 32" in MX.gather_problem((64, 16), (64, 32), 1)
     assert MX.gather_problem((32, 32), (64, 32), 0) is None
-    assert "two dimensions" in MX.gather_problem((8, 4, 3, 3), (16, 4, 3, 3), 0)
+    # Convolutions under MXFP8 are tensorwise: their weights are not picked.
+    conv = eqx.nn.Conv2d(32, 32, 1, key=getkey())
+    assert MX.gathers_by_default(odd[1].up) and not MX.gathers_by_default(conv)
+    assert FP8.gathers_by_default(conv)
     with pytest.raises(TypeError, match="TENSORWISE or eqx_amp.fp8.MXFP8"):
         jax.make_jaxpr(_step(odd[1], odd_specs, "mxfp8"))(odd[0], x)
 
@@ -626,3 +629,73 @@ def test_mxfp8_gathers_under_every_mapping(getkey, mode):
         jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(reference)
     ):
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-6)
+
+
+class _Stack(eqx.Module):
+    """Three Linear layers stacked (weights `(3, 64, 32)`) and run by `lax.scan`."""
+
+    layers: eqx.nn.Linear
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        keys = jr.split(key, 4)
+        self.layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(32, 32, key=k))(keys[:3])
+        self.out = eqx.nn.Linear(32, 32, key=keys[3])
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.layers, eqx.is_array)
+
+        def body(x, p):
+            return jnp.tanh(eqx.combine(p, static)(x)), None
+
+        return self.out(jax.lax.scan(body, x, params)[0])
+
+
+def test_mxfp8_gathers_stacked_weights_of_scanned_layers(getkey):
+    """Stacked `eqx.nn.Linear` weights (a leading layer axis, `lax.scan` over it) are
+    blocked along their last axis like a single layer's and gather in MXFP8 (their
+    biases in bfloat16); the step is as accurate as the one that gathers bfloat16."""
+    model = _Stack(getkey())
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    specs = jax.tree_util.tree_map(lambda _: P("data"), params)
+    x = jr.normal(getkey(), (48, 32))
+
+    def step(fp8):
+        def loss(shards, x):
+            gathered = eqx_amp.sharding.gather_params(
+                shards, "data", specs=specs, fp8=fp8
+            )
+            # The wrapper outside the vmap: a vmap outside it would batch the
+            # scanned MXFP8 products after tracing (the fp8 guide).
+            model = eqx.filter_vmap(eqx.combine(gathered, static))
+            out = eqx_amp.filter_amp(model, fp8=MX)(x)
+            return jax.lax.pmean(jnp.mean(out.astype(jnp.float32) ** 2), "data")
+
+        # The data sharded too: the scan's carry varies over the axis from the start.
+        return jax.jit(
+            jax.shard_map(
+                jax.grad(loss),
+                mesh=_mesh(),
+                in_specs=(specs, P("data")),
+                out_specs=specs,
+            )
+        )
+
+    found = _collectives(jax.make_jaxpr(step(MX))(params, x))
+    assert sorted(
+        (d.name, s) for n, d, s in found if n == "all_gather" and len(s) >= 2
+    ) == [
+        ("bfloat16", (3, 32)),  # the stacked biases, which no product reads
+        ("float8_e4m3fn", (3, 32, 32)),
+        ("float8_e4m3fn", (32, 32)),
+        ("float8_e8m0fnu", (3, 32, 1)),
+        ("float8_e8m0fnu", (32, 1)),
+    ]
+    grads, without = step(MX)(params, x), step(None)(params, x)
+    reference = jax.grad(lambda p: jnp.mean(jax.vmap(eqx.combine(p, static))(x) ** 2))(
+        params
+    )
+    assert (
+        global_rel_error(grads, reference)
+        < 1.1 * global_rel_error(without, reference) + 1e-3
+    )

@@ -6,6 +6,7 @@ methods the fp8 rules lend it)."""
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,15 +64,19 @@ class GatheredInFp8:
                 f"bfloat16, float16 or wider, not {compute_dtype.name}."
             )
 
+    def gathers_by_default(self, module: Any) -> bool:
+        """Whether `gather_params(..., fp8=rule)` gathers `module`'s weights in fp8
+        without an `fp8_filter`: `eqx.nn.Linear` layers (stacked ones too) and, for
+        tensorwise rules, `eqx.nn.Conv` ones (MXFP8 convolutions are tensorwise)."""
+        kinds = (
+            eqx.nn.Linear if self.scaling == "mxfp8" else eqx.nn.Linear | eqx.nn.Conv
+        )
+        return isinstance(module, kinds)
+
     def gather_problem(self, shard_shape, shape, dim: int) -> str | None:
         """Why a weight of gathered `shape`, sharded along `dim` into shards of
         `shard_shape`, cannot be gathered in this format; None if it can."""
         if self.scaling == "mxfp8":
-            if len(shape) != 2:
-                return (
-                    "MXFP8 gathers weights of two dimensions (an `eqx.nn.Linear`'s), "
-                    "blocked along the last; its convolutions are tensorwise"
-                )
             if shape[-1] % BLOCK:
                 return (
                     f"its last dimension ({shape[-1]}) is not a multiple of "

@@ -202,12 +202,13 @@ def gather_params(
         MXFP8's backward product for the input quantises it along the output
         features). The model must run those products in fp8: this only moves the
         bytes. Gradients are reduce-scattered as without it.
-    - `fp8_filter`: the modules whose weights (arrays of two dimensions or more)
-        are gathered in fp8; `None` means `eqx.nn.Linear` and `eqx.nn.Conv` layers
-        whose gathered weight fits the format (tensorwise: every dimension a
-        multiple of 16; MXFP8: two dimensions, the last a multiple of 32 in every
-        shard), the others gather as without `fp8`. A weight it selects that
-        cannot be gathered in fp8 (not floating, not cast by `filter_spec`, a
+    - `fp8_filter`: the modules whose weights (arrays of two dimensions or more,
+        other than a `bias`: a stacked layer's) are gathered in fp8; `None` means
+        the layers whose gathered weight fits the format: tensorwise,
+        `eqx.nn.Linear` and `eqx.nn.Conv` with every dimension a multiple of 16;
+        MXFP8, `eqx.nn.Linear` (stacked ones too) with the last axis a multiple of
+        32 in every shard. The others gather as without `fp8`. A weight it selects
+        that cannot be gathered in fp8 (not floating, not cast by `filter_spec`, a
         shape that does not fit) is an error naming it.
 
     **Returns:**
@@ -266,10 +267,6 @@ def gather_params(
         return jtu.tree_map(gather, mask, dims, plans, shards)
 
 
-def _default_fp8_filter(module: Any) -> bool:
-    return isinstance(module, eqx.nn.Linear | eqx.nn.Conv)
-
-
 class _InFp8(NamedTuple):
     """A weight shard to gather in fp8, with what its quantisation needs from the
     whole weight (`Fp8Rule.weight_amaxes`)."""
@@ -280,14 +277,20 @@ class _InFp8(NamedTuple):
 def _fp8_plans(shards, axis_name, dims, mask, fp8, fp8_filter) -> PyTree:
     """For each leaf: `_InFp8` if it is gathered in fp8, else None. Tensorwise
     amaxes of all of them take one `pmax`."""
-    chosen = in_selected_modules(shards, fp8_filter or _default_fp8_filter)
+    chosen = in_selected_modules(shards, fp8_filter or fp8.gathers_by_default)
     flat, treedef = jtu.tree_flatten_with_path(shards)
     size = lax.axis_size(axis_name)
     picked = []
     for (path, leaf), dim, cast, wanted in zip(
         flat, *(treedef.flatten_up_to(t) for t in (dims, mask)), chosen
     ):
-        if not (wanted and eqx.is_array(leaf) and leaf.ndim >= 2 and dim is not None):
+        if not (
+            wanted
+            and eqx.is_array(leaf)
+            and leaf.ndim >= 2
+            and dim is not None
+            and not _is_bias(path)
+        ):
             picked.append(False)
             continue
         shape = tuple(n * size if i == dim else n for i, n in enumerate(leaf.shape))
@@ -308,6 +311,13 @@ def _fp8_plans(shards, axis_name, dims, mask, fp8, fp8_filter) -> PyTree:
     return treedef.unflatten([_InFp8(next(amaxes)) if p else None for p in picked])
 
 
+def _is_bias(path) -> bool:
+    """Whether `path` names a bias: stacked layers' biases have two dimensions, and
+    no product reads them."""
+    last = path[-1] if path else None
+    return getattr(last, "name", None) == "bias"
+
+
 def _fp8_gather_problem(leaf, cast: bool) -> str | None:
     if not is_floating_array(leaf):
         return "it is not floating (only floating weights are quantised)"
@@ -318,9 +328,9 @@ def _fp8_gather_problem(leaf, cast: bool) -> str | None:
 
 _NO_FP8_WEIGHT = (
     "`gather_params(..., fp8=...)` found no weight to gather in fp8 (sharded over "
-    "{axis!r}, in a module `fp8_filter` selects, by default `eqx.nn.Linear` and "
-    "`eqx.nn.Conv`; tensorwise: every dimension a multiple of 16; MXFP8: two "
-    "dimensions, the last a multiple of 32 in every shard): leave `fp8` out."
+    "{axis!r}, in a module `fp8_filter` selects, by default `eqx.nn.Linear` and, "
+    "tensorwise, `eqx.nn.Conv`; tensorwise: every dimension a multiple of 16; "
+    "MXFP8: the last a multiple of 32 in every shard): leave `fp8` out."
 )
 
 
