@@ -52,9 +52,9 @@ class _SumIn(Hook):
     def equation(self, eqn, invals, origins, frame, evaluate: Evaluate) -> list:
         if eqn.primitive in _MATMULS:
             params = dict(eqn.params, preferred_element_type=self.dtype)
-            # A CPU reads float32 operands holding the half values (its runtime
-            # cannot run every mixed-dtype dot); where it may sum a product that
-            # emits half in half, it emits float32 and rounds once.
+            # A CPU reads operands of the dtype it emits (its runtime cannot run
+            # every mixed-dtype dot); where it may sum a product that emits half in
+            # half, that dtype is float32, rounded to the reduce dtype once.
             cpu_dtype = _F32 if CPU_SUMS_HALF_PRODUCTS_IN_HALF else self.dtype
             cpu = dict(params, preferred_element_type=cpu_dtype)
 
