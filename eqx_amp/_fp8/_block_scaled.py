@@ -112,10 +112,15 @@ def mx_dequantize(values: Array, scales: Array, dtype: Any) -> Array:
     bfloat16, float16 (where in range) and float32. A finite block whose values
     round up past `dtype`'s largest (an amax within one e4m3 step of it) saturates
     there; a block holding an inf or NaN stays NaN."""
-    blocks = values.astype(jnp.float32).reshape(*values.shape[:-1], -1, BLOCK)
-    wide = (blocks * scales.astype(jnp.float32)[..., None]).reshape(values.shape)
     largest = float(jnp.finfo(dtype).max)
-    return jnp.clip(wide, -largest, largest).astype(dtype)
+    return jnp.clip(_in_float32(values, scales), -largest, largest).astype(dtype)
+
+
+def _in_float32(values: Array, scales: Array) -> Array:
+    """MXFP8 values times their scales (one per 32 along the last axis), in
+    float32."""
+    blocks = values.astype(jnp.float32).reshape(*values.shape[:-1], -1, BLOCK)
+    return (blocks * scales.astype(jnp.float32)[..., None]).reshape(values.shape)
 
 
 def _known_3d(known: tuple[Array, Array]) -> tuple[Array, Array]:
@@ -146,14 +151,9 @@ def _portable_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
 
 
 def _cpu_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
-    def dequantized(values, scales):
-        b, m, k = values.shape
-        blocks = values.astype(jnp.float32).reshape(b, m, k // BLOCK, BLOCK)
-        return (blocks * scales.astype(jnp.float32)[..., None]).reshape(b, m, k)
-
     return lax.dot_general(
-        dequantized(lhs, lhs_scales),
-        dequantized(rhs, rhs_scales),
+        _in_float32(lhs, lhs_scales),
+        _in_float32(rhs, rhs_scales),
         (((2,), (2,)), ((0,), (0,))),
         preferred_element_type=jnp.float32,
     ).astype(dtype)
