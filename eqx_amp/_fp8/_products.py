@@ -63,9 +63,9 @@ def remember_fp8(array: Array, quantized: Array, scale: Array) -> Array:
     """Records that `array`'s fp8 form is `quantized` with `scale` (tensorwise: a
     float32 scalar; MXFP8: e8m0 block scales along its last axis); returns `array`.
     Only for a traced `array`: a concrete one outlives the trace whose values would
-    be recorded for it (a closed-over weight is quantised where it is read). The record lasts while `array`, `quantized`
-    and `scale` all live: `array` computed from the other two, or within
-    `holding_fp8_values()`."""
+    be recorded for it (a closed-over weight is quantised where it is read). The
+    record lasts while `array`, `quantized` and `scale` all live: `array` computed
+    from the other two, or within `holding_fp8_values()`."""
     if not compat.is_traced(array):
         return array
     key = id(array)

@@ -269,7 +269,7 @@ def gather_params(
 
 class _InFp8(NamedTuple):
     """A weight shard to gather in fp8, with what its quantisation needs from the
-    whole weight (`Fp8Rule.weight_amaxes`)."""
+    whole weight (the rule's `weight_amaxes`)."""
 
     amax: Array | None
 
