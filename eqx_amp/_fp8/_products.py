@@ -201,11 +201,11 @@ def _fp8_product(
         # (measured: `benchmarks/gpu_fp8_fallback.py`). The fp8 values are
         # multiplied in float32 instead, exactly, as a CPU does.
         lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
-        product = lax.dot_general(
+        exact = lax.dot_general(
             lhs, rhs, dims, precision=lax.Precision.HIGHEST,
             preferred_element_type=jnp.float32,
         )  # fmt: skip
-        return product.astype(dtype)
+        return exact.astype(dtype)
     precision = lax.Precision.HIGHEST if backward else None
 
     def product(lhs, rhs, emit=dtype):

@@ -115,6 +115,7 @@ class GatheredInFp8:
             with jax.named_scope(FP8_SCOPE):  # as `precision_report` reads casts
                 values, scales = mx_quantize_weight(lax.stop_gradient(shard))
             return gather(values), gather(scales)
+        assert amax is not None, "tensorwise gathers take the weight's amax"
         scale = scale_from_amax(amax, E4M3)
         return gather(quantize_weight(shard, scale)), scale
 
