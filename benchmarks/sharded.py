@@ -25,17 +25,24 @@ the compiled memory per device.
     python benchmarks/run.py --preset sharded     # the same, from the suite
 """
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
 
 _DUMP = tempfile.mkdtemp(prefix="eqx_amp_spmd_")
+# XLA dumps every module it compiles there (hundreds of MB over a run).
+atexit.register(shutil.rmtree, _DUMP, ignore_errors=True)
 # Both must be set before JAX is imported.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
+# Only the measured steps (`_measure` names them `step_<case>`): every other module
+# would be dumped too, LLVM IR and object files included.
 _flags += f" --xla_dump_to={_DUMP} --xla_dump_hlo_pass_re=spmd-partitioning"
+_flags += " --xla_dump_hlo_module_re=^jit_step_"
 # XLA's CPU backend widens half-precision all-reduces to float32 in a pass that
 # crashes on the all-reduces of a `shard_map` manual over some mesh axes only (the
 # `model` axis is left to GSPMD here); without it the CPU sums in the half dtype,

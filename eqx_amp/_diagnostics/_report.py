@@ -386,7 +386,10 @@ class _Census(Hook):
     def equation(self, eqn, invals, origins, frame, evaluate):
         caller = None if frame.caller is None else id(frame.caller[1])
         key = (id(eqn), caller, frame.scopes, frame.repeats)
-        if key not in self._seen and id(eqn) not in self._dead:
+        # What the program runs on a CPU only (`with_cpu_form`), beside the form it
+        # describes, is neither counted nor explained.
+        described = CPU_FORM_SCOPE not in frame.scopes
+        if described and key not in self._seen and id(eqn) not in self._dead:
             self._seen.add(key)
             self._count(eqn, frame, invals)
             if eqn.primitive in MATMUL_PRIMITIVES:
@@ -488,8 +491,6 @@ class _Census(Hook):
         return f"{what}, {where}"
 
     def _count(self, eqn: Any, frame: Frame, invals: list) -> None:
-        if CPU_FORM_SCOPE in frame.scopes:
-            return  # what the program runs on a CPU only, beside what it describes
         name = eqn.primitive.name
         in_dtypes = _dtype_names(eqn.invars)
         self.ops[name][in_dtypes] += 1
