@@ -617,3 +617,111 @@ def test_what_a_cast_makes_is_read_from_the_values_before_it(dtype):
     np.testing.assert_array_equal(nonfinite, ~np.isfinite(held))
     np.testing.assert_array_equal(flushed, finite & (values != 0) & (held == 0))
     np.testing.assert_array_equal(saturated, finite & (np.abs(values) > largest))
+
+
+def _mxfp8_flushed(x: np.ndarray, axis: int) -> int:
+    """How many nonzero values of `x` (float32) MXFP8 flushes to zero when quantised
+    in blocks of 32 along `axis`: each block's scale is its amax over 448 rounded up
+    to a power of two."""
+    import ml_dtypes
+
+    blocks = np.moveaxis(x, axis, -1).reshape(-1, 32)
+    amax = np.max(np.abs(blocks), axis=1, keepdims=True)
+    scale = 2.0 ** np.ceil(np.log2(amax / 448.0))
+    quantised = (blocks / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return int(np.sum((quantised == 0) & (blocks != 0)))
+
+
+@pytest.mark.filterwarnings("ignore:`filter_amp` casts the weights")
+def test_mxfp8_counts_what_each_block_flushes():
+    # One outlier among normal values: its block's scale flushes that block's small
+    # values and no other block's. The activation (32 tokens x 64 features) is
+    # quantised along the features for the forward product and along the tokens
+    # for the weight gradient's: both casts are counted, every value (no sample).
+    x = np.asarray(jr.normal(jr.key(1), (32, 64)), np.float32) * 0.05
+    x[5, 40] = 3e4
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    model = eqx.nn.Linear(64, 32, key=jr.key(0))
+
+    def activation(fp8):
+        amp = eqx_amp.filter_amp(model, policy=BF16, fp8=fp8)
+        _, tel = eqx.filter_jit(telemetry(_step))(amp, jnp.asarray(x))
+        return _row(tel, "model", "activation", "float8_e4m3fn"), tel
+
+    stats, tel = activation(eqx_amp.fp8.MXFP8)
+    assert stats.scaling == "mxfp8" and float(stats.size) == 2 * x.size
+    np.testing.assert_allclose(stats.sample, stats.size)
+    flushed = _mxfp8_flushed(x, axis=1) + _mxfp8_flushed(x, axis=0)
+    assert 0 < flushed < 64  # the outlier's row block and column block only
+    np.testing.assert_allclose(stats.underflow, flushed / (2 * x.size))
+    np.testing.assert_allclose(stats.amax, 3e4, rtol=1e-2)
+    # The smallest block factor: the outlier's block, 2**-7 (3e4 / 448 -> 2**7).
+    np.testing.assert_allclose(stats.scale, 2.0**-7)
+    # One scale for the whole tensor flushes most values instead.
+    tensorwise, _ = activation(eqx_amp.fp8.TENSORWISE)
+    assert tensorwise.scaling == "tensorwise"
+    assert float(tensorwise.underflow) > 20 * float(stats.underflow)
+    # The block-scaled GEMM's output is the unscaled parameter gradient: measured
+    # as it arrives, as a bfloat16 product's is.
+    grad = _row(tel, "model", "parameter gradient", "bfloat16", at_cast=False)
+    assert float(grad.size) == model.weight.size and grad.scaling is None
+    assert "float8_e4m3fn (mxfp8)" in tel.summary(top=50)
+
+
+@pytest.mark.filterwarnings("ignore:`filter_amp` casts the weights")
+def test_fp8_rows_say_how_each_cast_was_scaled():
+    mlp = eqx.nn.MLP(32, 32, 32, 2, key=jr.key(0))
+    x = jr.normal(jr.key(1), (32, 32))
+    for rule, scaling in [
+        (eqx_amp.fp8.TENSORWISE, "tensorwise"),
+        (eqx_amp.fp8.ROWWISE, "rowwise"),
+        (eqx_amp.fp8.MXFP8, "mxfp8"),
+    ]:
+        amp = eqx_amp.filter_amp(mlp, policy=BF16, fp8=rule)
+        with warnings.catch_warnings():
+            # An MXFP8 product is a `cond` over the platforms' forms, not a `cond`
+            # whose products go unmeasured.
+            warnings.simplefilter("error")
+            _, tel = eqx.filter_jit(telemetry(_step))(amp, x)
+        rows = tel.rows()
+        fp8_rows = [r for r in rows if r.dtype.startswith("float8")]
+        assert fp8_rows and {r.scaling for r in fp8_rows} == {scaling}, rule
+        assert all(r.scaling is None for r in rows if r not in fp8_rows)
+        for i in range(3):
+            for role in ("weight", "activation", "output gradient"):
+                assert any(
+                    r.layer == f"model.layers[{i}]"
+                    and r.role == role
+                    and r.dtype.startswith("float8")
+                    for r in fp8_rows
+                ), (rule, i, role)
+            assert any(
+                r.layer == f"model.layers[{i}]" and r.role == "parameter gradient"
+                for r in rows
+            ), (rule, i)
+
+
+@pytest.mark.parametrize("remat", ["checkpoint", "filter_checkpoint"])
+def test_a_checkpointed_mxfp8_forward_is_measured_once(remat):
+    mlp = eqx.nn.MLP(32, 32, 32, 2, key=jr.key(0))
+    x = jr.normal(jr.key(1), (32, 32))
+
+    def measure(remat):
+        amp = eqx_amp.filter_amp(
+            _Checkpointed(mlp, remat), policy=BF16, fp8=eqx_amp.fp8.MXFP8
+        )
+        return _by_row(eqx.filter_jit(telemetry(_batch_step))(amp, x)[1])
+
+    plain, checkpointed = measure("none"), measure(remat)
+    # Known gap (documented in `telemetry`): under `jax.checkpoint` the backward
+    # pass quantises the recomputed inputs again along the backward products'
+    # axes, and those casts (a recomputation's, taken as measured in the forward
+    # pass) and the weight gradients' block-scaled products are not measured: the
+    # rows hold the forward quantisations (half the values) and the parameter
+    # gradients' rows are missing. The tensors measured are the same.
+    missing = {(f"model.mlp.layers[{i}]", "parameter gradient") for i in range(3)}
+    assert {key[:2] for key in set(plain) - set(checkpointed)} == missing
+    assert set(checkpointed) <= set(plain)
+    for key, stats in checkpointed.items():
+        np.testing.assert_allclose(stats.amax, plain[key].amax, err_msg=key)
+        assert stats.scaling == plain[key].scaling

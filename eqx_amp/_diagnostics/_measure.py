@@ -24,7 +24,7 @@ from jaxtyping import Array, Float
 from .._core._cast import is_floating_dtype
 from .._core._platform import with_cpu_form
 from .._core._wrapper import warn_once
-from .._fp8 import FP8_SCOPE
+from .._fp8 import FP8_SCOPE, MXFP8_SCOPE, is_block_product
 from .._jaxpr import _compat as compat
 from .._jaxpr._hook import MATMUL_PRIMITIVES, Frame, Hook, Origin, is_higher_order
 from ._naming import Naming, Path, unique
@@ -47,6 +47,7 @@ class Site:
     dtype: str
     at_cast: bool
     layer: Path | None = None
+    scaling: str | None = None  # an fp8 cast's: "tensorwise", "rowwise", "mxfp8"
 
 
 class Measured(eqx.Module):
@@ -369,6 +370,7 @@ class Measure(Hook):
         self.naming = naming
         self.records: list[Measured] = []
         self.scale: Array | None = None  # the last fp8 scale multiplied in
+        self.scaled: Any = None  # and the variable it scaled
 
     def enter_jaxpr(self, frame: Frame) -> "Measure":
         return Measure(self.naming)
@@ -391,6 +393,19 @@ class Measure(Hook):
         naming = self.naming
         naming.into_bodies(eqn)
         outs = evaluate(invals)
+        recomputed = frame.transposed and compat.REMATERIALISED_SCOPE in frame.scopes
+        if is_block_product(eqn):
+            # One MXFP8 product, as the `cond` over its platforms' forms: its
+            # operands and output are outside the branches, where they are measured.
+            naming.out_of_bodies(eqn)
+            operands = slice(1, 3)  # after the platform index, before the scales
+            invars, origins = eqn.invars[operands], origins[operands]
+            if recomputed:
+                self._recomputed_product(invars, origins, eqn.outvars)
+            else:
+                ins = invals[operands]
+                self._product(invars, ins, origins, eqn.outvars, outs, frame)
+            return outs
         if is_higher_order(eqn):
             naming.out_of_bodies(eqn)
             if eqn.primitive in (compat.while_p, compat.cond_p) and _holds_products(
@@ -398,20 +413,19 @@ class Measure(Hook):
             ):
                 warn_once(_NOT_MEASURED.format(name=eqn.primitive))
             return outs
-        recomputed = frame.transposed and compat.REMATERIALISED_SCOPE in frame.scopes
         naming.flow(eqn, origins, recomputed)
         naming.replicate(eqn, invals)
         if recomputed:
-            self._recomputed(eqn, origins)
+            self._recomputed(eqn, invals, origins, frame)
             return outs
         naming.remember(eqn)
         in_fp8 = FP8_SCOPE in frame.scopes
         if eqn.primitive in MATMUL_PRIMITIVES:
-            self._product(eqn, invals, origins, outs, frame)
+            self._product(eqn.invars, invals, origins, eqn.outvars, outs, frame)
         elif eqn.primitive is lax.convert_element_type_p and _narrows(eqn):
             self._cast(eqn, invals[0], outs[0], origins[0], frame, in_fp8)
         elif in_fp8 and eqn.primitive is lax.mul_p:
-            self._maybe_scale(invals)
+            self._maybe_scale(eqn, invals)
         return outs
 
     def _record(self, site, var, value, source=None, scale=None) -> None:
@@ -421,30 +435,41 @@ class Measure(Hook):
     def _cast(self, eqn, source, value, origin, frame, in_fp8) -> None:
         naming, invar, outvar = self.naming, eqn.invars[0], eqn.outvars[0]
         dtype = str(value.dtype)
-        if frame.transposed:
+        scale = self.scale if in_fp8 and jnp.finfo(value.dtype).bits == 8 else None
+        # The fp8 values are the scaled tensor's, one to one: the layer that reads
+        # them reads it, and its other quantisations.
+        scaled = None if scale is None else self.scaled
+        if origin == Origin.PARAMS:
+            # In the backward pass too: a weight quantised again for a backward
+            # product (rowwise and MXFP8 products quantise along each product's
+            # contracting axis), as a forward input is.
+            layer, role = naming.layer_of(invar), WEIGHT
+        elif frame.transposed and scaled in naming.feeds:
+            layer, role = naming.feeds[scaled], ACTIVATION
+        elif frame.transposed:
             layer = naming.grads.get(invar)
             role = OUTPUT_GRADIENT if layer is None else PARAMETER_GRADIENT
-        elif origin == Origin.PARAMS:
-            layer, role = naming.layer_of(invar), WEIGHT
         else:
             layer, role = None, ACTIVATION
-        site = Site(role, dtype, True, layer)
-        scale = self.scale if in_fp8 and jnp.finfo(value.dtype).bits == 8 else None
+        site = Site(role, dtype, True, layer, _scaling(scale, frame))
         self._record(site, invar, value, source, scale)
-        self.scale = None
+        self.scale = self.scaled = None
         naming.measured.add(outvar)
+        if scaled is not None:
+            naming.source[outvar] = scaled
         if layer is None:
             # Keep the sites of earlier casts it came from (a gradient cast to fp8,
             # then to bfloat16), which wait for the same product.
             naming.pending[outvar] = naming.pending.get(outvar, frozenset()) | {site}
 
-    def _product(self, eqn, invals, origins, outs, frame) -> None:
+    def _product(self, invars, invals, origins, outvars, outs, frame) -> None:
+        """A product reading `invars` (its two operands) and making `outvars`."""
         naming = self.naming
-        weights = [v for v, o in zip(eqn.invars, origins) if o == Origin.PARAMS]
+        weights = [v for v, o in zip(invars, origins) if o == Origin.PARAMS]
         layer = unique(naming.layer_of(v) for v in _vars(weights))
         if layer is None and frame.transposed:
-            layer = unique(naming.feeds.get(v) for v in _vars(eqn.invars))
-        for var, value, origin in zip(eqn.invars, invals, origins):
+            layer = unique(map(naming.input_of, _vars(invars)))
+        for var, value, origin in zip(invars, invals, origins):
             if isinstance(var, compat.Literal):
                 continue
             for site in naming.pending.get(var, ()):
@@ -466,40 +491,54 @@ class Measure(Hook):
         if layer is None:
             return
         if not frame.transposed:
-            for var, origin in zip(eqn.invars, origins):
+            for var, origin in zip(invars, origins):
                 if origin != Origin.PARAMS and not isinstance(var, compat.Literal):
                     naming.mark_input(var, layer)
         elif not _vars(weights):
-            (out,) = eqn.outvars
+            (out,) = outvars
             naming.grads[out] = layer
-            # An fp8 product's output is still scaled: it is measured at its cast.
-            if _is_narrow(outs[0].dtype) and FP8_SCOPE not in frame.scopes:
+            # A tensorwise or rowwise fp8 product's output is still scaled: it is
+            # measured at its cast. A block-scaled one's is not.
+            scaled = FP8_SCOPE in frame.scopes and MXFP8_SCOPE not in frame.scopes
+            if _is_narrow(outs[0].dtype) and not scaled:
                 site = Site(PARAMETER_GRADIENT, str(outs[0].dtype), False, layer)
                 self._record(site, out, outs[0])
                 naming.measured.add(out)
 
-    def _recomputed(self, eqn, origins) -> None:
+    def _recomputed(self, eqn, invals, origins, frame) -> None:
         """An equation of the forward pass that `jax.checkpoint` runs again inside
         the backward pass: what it computes was measured when the forward pass
         computed it, and measuring it again would count it twice (a recomputed cast
         of an activation as an output gradient). Its results are named as the
         forward's, or, where the forward equation is not found, as a forward
         product names its operands."""
-        naming = self.naming
-        self.scale = None
-        naming.measured.update(eqn.outvars)
-        if naming.recompute(eqn) or eqn.primitive not in MATMUL_PRIMITIVES:
+        self.naming.measured.update(eqn.outvars)
+        # Which tensor fp8 values are quantised from, as in the forward pass: a
+        # recomputed product's operands lead to the layer's input through it.
+        if FP8_SCOPE in frame.scopes and eqn.primitive is lax.mul_p:
+            self._maybe_scale(eqn, invals)
+        elif eqn.primitive is lax.convert_element_type_p and _narrows(eqn):
+            if self.scaled is not None:
+                self.naming.source[eqn.outvars[0]] = self.scaled
+            self.scale = self.scaled = None
+        if self.naming.recompute(eqn) or eqn.primitive not in MATMUL_PRIMITIVES:
             return
-        weights = [v for v, o in zip(eqn.invars, origins) if o == Origin.PARAMS]
+        self._recomputed_product(eqn.invars, origins, eqn.outvars)
+
+    def _recomputed_product(self, invars, origins, outvars) -> None:
+        """A recomputed product names its operands as the forward one did."""
+        naming = self.naming
+        naming.measured.update(outvars)
+        weights = [v for v, o in zip(invars, origins) if o == Origin.PARAMS]
         layer = unique(naming.layer_of(v) for v in _vars(weights))
-        for var, origin in zip(eqn.invars, origins):
+        for var, origin in zip(invars, origins):
             if isinstance(var, compat.Literal):
                 continue
             naming.measured.add(var)
             if layer is not None and origin != Origin.PARAMS:
                 naming.mark_input(var, layer)
 
-    def _maybe_scale(self, invals) -> None:
+    def _maybe_scale(self, eqn, invals) -> None:
         """fp8 quantisation multiplies a tensor by its float32 scale (smaller,
         broadcast) right before the cast (`eqx_amp._fp8._quantize`)."""
         a, b = invals
@@ -509,7 +548,20 @@ class Measure(Hook):
         ):
             return
         if np.size(a) != np.size(b):
-            self.scale = a if np.size(a) < np.size(b) else b
+            tensor, self.scale = (1, a) if np.size(a) < np.size(b) else (0, b)
+            scaled = eqn.invars[tensor]
+            self.scaled = None if isinstance(scaled, compat.Literal) else scaled
+
+
+def _scaling(scale: Array | None, frame: Frame) -> str | None:
+    """How an fp8 cast was scaled, from the scale multiplied in before it: per block
+    (the quantisation of an MXFP8 product or gathered weight runs in
+    `MXFP8_SCOPE`), per row, or one scale for the tensor."""
+    if scale is None:
+        return None
+    if MXFP8_SCOPE in frame.scopes:
+        return "mxfp8"
+    return "rowwise" if np.size(scale) > 1 else "tensorwise"
 
 
 _NOT_MEASURED = (

@@ -173,8 +173,24 @@ class Naming:
         last of its operands: `cond` and `while` put others first)."""
         same = eqn.primitive in _SAME_VALUES
         for body in compat.sub_jaxprs(eqn.params):
-            invars = compat.open_jaxpr(body)[0].invars
+            jaxpr = compat.open_jaxpr(body)[0]
+            self._forget(jaxpr)
+            invars = jaxpr.invars
             self._copy(eqn.invars[len(eqn.invars) - len(invars) :], invars, twin=same)
+
+    def _forget(self, jaxpr: Any) -> None:
+        """What the pass learnt of a body's variables in an earlier call: one body
+        may serve several calls (JAX shares an fp8 product's derivative rule between
+        layers of the same shapes), and a layer's gradient must not take the name
+        of the last layer that ran it."""
+        made = [*jaxpr.invars, *(v for e in jaxpr.eqns for v in e.outvars)]
+        for table in (
+            self.paths, self.feeds, self.grads, self.pending, self.replicated,
+            self.source,
+        ):  # fmt: skip
+            for var in made:
+                table.pop(var, None)
+        self.measured.difference_update(made)
 
     def out_of_bodies(self, eqn: Any) -> None:
         same = eqn.primitive in _SAME_VALUES
@@ -233,6 +249,17 @@ class Naming:
             seen.add(var)
             self.feeds[var] = layer
             todo += [self.source.get(var), self.twin.get(var)]
+
+    def input_of(self, var: Any) -> Path | None:
+        """The layer `var`, or what it was computed from one to one, is an input of
+        (a backward product's operand quantised from a recomputed input)."""
+        seen = set()
+        while var is not None and var not in seen:
+            if var in self.feeds:
+                return self.feeds[var]
+            seen.add(var)
+            var = self.source.get(var)
+        return None
 
     def layer_of(self, var: Any) -> Path | None:
         path = self.paths.get(var)

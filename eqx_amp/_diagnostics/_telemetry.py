@@ -55,7 +55,11 @@ class TensorStats(eqx.Module):
     taken at a fixed stride, at most 4096 values per tensor (the whole tensor when
     it is smaller): a fraction `p` estimated from `n` values is off by about
     `sqrt(p (1 - p) / n)`, under 0.8 percentage points for one tensor. `scale` is
-    the fp8 scale used (the smallest, for rowwise scales), or None outside fp8. Under `shard_map` a tensor that
+    the fp8 scale used (the smallest, for rowwise and block scales), or None outside
+    fp8, and `scaling` how the fp8 cast was scaled: `"tensorwise"`, `"rowwise"`, or
+    `"mxfp8"` (one power-of-two scale per block of 32 values, where `underflow` and
+    `overflow` count the values each block's own scale flushes or saturates; an
+    outlier flushes the small values of its block only). Under `shard_map` a tensor that
     differs from device to device (a batch shard) is counted on each device, one
     that is the same on every device (a replicated weight) once; with
     `check_vma=False` (and under `pmap`) JAX does not say which, and every device's
@@ -83,6 +87,7 @@ class TensorStats(eqx.Module):
     overflow: Fraction
     nonfinite: Fraction
     scale: Fraction | None
+    scaling: str | None = eqx.field(static=True, default=None)
 
 
 _FIELDS = (
@@ -103,6 +108,7 @@ class TensorRow(NamedTuple):
     overflow: float | None
     nonfinite: float
     scale: float | None
+    scaling: str | None = None  # fp8 casts: "tensorwise", "rowwise" or "mxfp8"
 
     def severity(self) -> tuple[float, ...]:
         """Worst first: non-finite values, then overflow, then underflow."""
@@ -158,9 +164,9 @@ class Telemetry(eqx.Module):
     """
 
     packed: tuple[Float[Array, "..."], ...]  # (*leading, tensors, fields, *iterations)
-    entries: tuple[tuple[str, str, str, bool, bool, int, int], ...] = eqx.field(
-        static=True
-    )  # (layer, role, dtype, at_cast, has scale, which packed array, row)
+    entries: tuple[tuple[str, str, str, bool, str | None, bool, int, int], ...] = (
+        eqx.field(static=True)
+    )  # (layer, role, dtype, at_cast, scaling, has scale, which packed array, row)
     iterations: tuple[int, ...] = eqx.field(static=True)  # per packed array
 
     @property
@@ -198,13 +204,15 @@ class Telemetry(eqx.Module):
             packed = list(self.packed)
         leading = (slice(None),) * len(self.leading_shape)
         stats = []
-        for layer, role, dtype, at_cast, has_scale, which, row in self.entries:
+        for layer, role, dtype, at_cast, scaling, has_scale, which, row in self.entries:
             values: Any = {
                 k: packed[which][(*leading, row, i)] for i, k in enumerate(_FIELDS)
             }
             if not has_scale:
                 values["scale"] = None
-            stats.append(TensorStats(layer, role, dtype, at_cast, **values))
+            stats.append(
+                TensorStats(layer, role, dtype, at_cast, **values, scaling=scaling)
+            )
         return tuple(stats)
 
     def rows(self) -> list[TensorRow]:
@@ -232,7 +240,7 @@ class Telemetry(eqx.Module):
                 (
                     r.layer,
                     r.role,
-                    r.dtype,
+                    r.dtype if r.scaling is None else f"{r.dtype} ({r.scaling})",
                     f"{r.amax:.3g}",
                     _percent(r.underflow),
                     _percent(r.subnormal),
@@ -279,6 +287,7 @@ def _rows(stats: TensorStats) -> list[TensorRow]:
                 at["overflow"] if stats.at_cast else None,
                 at["nonfinite"],
                 None if scale is None else float(scale[index]),
+                stats.scaling,
             )
         )
     return rows
@@ -304,7 +313,8 @@ def _finish(made: list[Measured], leaves: set[Path]) -> Telemetry:
         if site.layer is None:
             continue  # never read by a product: not a layer's tensor
         name = _layer_name(site.layer, m.stack, leaves)
-        groups[(name, site.role, site.dtype, site.at_cast, m.amax.shape)].append(m)
+        key = (name, site.role, site.dtype, site.at_cast, site.scaling, m.amax.shape)
+        groups[key].append(m)
     # Every entry's raw values go into one array per shape (one concatenation),
     # and the fractions are computed on those arrays: per-entry arithmetic would be
     # a handful of tiny kernels per entry on a GPU.
@@ -314,14 +324,14 @@ def _finish(made: list[Measured], leaves: set[Path]) -> Telemetry:
     )  # fmt: skip
     raws: dict[tuple, list[Array]] = {}
     entries = []
-    for (name, role, dtype, at_cast, shape), group in groups.items():
+    for (name, role, dtype, at_cast, scaling, shape), group in groups.items():
         m = combine(group)
         scale = jnp.full(shape, np.nan, jnp.float32) if m.scale is None else m.scale
         rows = raws.setdefault(shape, [])
         which = list(raws).index(shape)
         has_scale = m.scale is not None
         row = len(rows) // (len(raw_names) + 1)
-        entries.append((name, role, dtype, at_cast, has_scale, which, row))
+        entries.append((name, role, dtype, at_cast, scaling, has_scale, which, row))
         values = [getattr(m, k) for k in raw_names] + [scale]
         rows.extend(jnp.broadcast_to(v, shape).astype(jnp.float32) for v in values)
     packed = []
@@ -433,7 +443,8 @@ def telemetry(step: Callable[_P, _T]) -> Callable[_P, tuple[_T, Telemetry]]:
     iteration), under `jax.vmap` and in a `lax.scan` over steps (one entry per
     example or step: `Telemetry.leading_shape`), and under `shard_map` and sharded
     `jit` (global values). What runs inside `lax.while_loop` and `lax.cond` (`redo_on_nan > 0` retries, for one) is
-    not measured. Collect every N steps by calling the wrapped step then and `step`
+    not measured, nor, under `jax.checkpoint`, an MXFP8 layer's backward
+    quantisations of the recomputed inputs and its parameter gradient. Collect every N steps by calling the wrapped step then and `step`
     itself otherwise: `step` is not changed, so its compiled program is today's.
 
     **Arguments:**

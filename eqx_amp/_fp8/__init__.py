@@ -22,7 +22,9 @@ derivative rule), `_shapes` (which shapes an fp8 kernel takes, and which pay),
 `_rules` (where products run in fp8), `_dot_general` (one fp8 product, by hand).
 """
 
+from ._block_scaled import MXFP8_SCOPE as MXFP8_SCOPE
 from ._block_scaled import block_scaled_flops as block_scaled_flops
+from ._block_scaled import is_block_product as is_block_product
 from ._dot_general import dot_general as dot_general
 from ._products import FP8_SCOPE as FP8_SCOPE
 from ._products import FP8_SKIPPED_SCOPE as FP8_SKIPPED_SCOPE

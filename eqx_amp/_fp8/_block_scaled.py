@@ -277,11 +277,13 @@ def mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
         # Differentiated only as part of a higher-order derivative.
         lhs, rhs = _first_order_only((lhs, rhs))
         lhs3, rhs3 = _to_3d(lhs, lc, lb), _to_3d(rhs, rc, rb)
+        out = product(lhs3, rhs3, known)
         # Saved for the backward products, quantised along what they contract:
         # the lhs along its free axes (the weight gradient's tokens), the rhs
-        # along its own (the input gradient's output features).
+        # along its own (the input gradient's output features). Made after the
+        # product, which tells `telemetry` whose input they are.
         residuals = (mx_quantize(lhs3, axis=1), mx_quantize(rhs3, axis=1))
-        return product(lhs3, rhs3, known), (residuals, known)
+        return out, (residuals, known)
 
     @jax.named_scope(FP8_SCOPE)
     @jax.named_scope(MXFP8_SCOPE)
@@ -334,6 +336,23 @@ def _output_3d(lhs_shape, rhs_shape, dims) -> tuple[int, int, int]:
 # known by name: JAX exports no handle on it (jax 0.10). The other branch's
 # `scaled_dot` is the same product, for other platforms: reports count this one.
 _BLOCK_SCALED_PRIMITIVE = "scaled_matmul_wrapper"
+
+
+def is_block_product(eqn: Any) -> bool:
+    """Whether `eqn` is one MXFP8 product as `block_product` makes it: a `cond` over
+    the platforms' forms (one is lowered), reading `(index, lhs, rhs, lhs_scales,
+    rhs_scales)` and making the product."""
+    if eqn.primitive is not compat.cond_p or not compat.branch_platforms(eqn.params):
+        return False
+
+    def holds(jaxpr: Any) -> bool:
+        return any(
+            block_scaled_flops(e) is not None
+            or any(map(holds, compat.sub_jaxprs(e.params)))
+            for e in compat.open_jaxpr(jaxpr)[0].eqns
+        )
+
+    return any(map(holds, eqn.params["branches"]))
 
 
 def block_scaled_flops(eqn: Any) -> int | None:

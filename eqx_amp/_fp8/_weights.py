@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
-from ._block_scaled import mx_dequantize, mx_quantize_weight
+from ._block_scaled import MXFP8_SCOPE, mx_dequantize, mx_quantize_weight
 from ._products import FP8_SCOPE, WEIGHT_AMAX_SCOPE, remember_fp8
 from ._scaling import E4M3, finite_amax, quantize_with, scale_from_amax
 from ._shapes import BLOCK
@@ -112,7 +112,8 @@ class GatheredInFp8:
         if self.scaling == "mxfp8":
             # Made without a derivative, as tensorwise values are: the gradient
             # passes straight through the gather (`gather_params`).
-            with jax.named_scope(FP8_SCOPE):  # as `precision_report` reads casts
+            # The scopes `precision_report` and `telemetry` read casts by.
+            with jax.named_scope(FP8_SCOPE), jax.named_scope(MXFP8_SCOPE):
                 values, scales = mx_quantize_weight(lax.stop_gradient(shard))
             return gather(values), gather(scales)
         assert amax is not None, "tensorwise gathers take the weight's amax"
