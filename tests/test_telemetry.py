@@ -715,12 +715,14 @@ def test_a_checkpointed_mxfp8_forward_is_measured_once(remat):
     plain, checkpointed = measure("none"), measure(remat)
     # Known gap (documented in `telemetry`): under `jax.checkpoint` the backward
     # pass quantises the recomputed inputs again along the backward products'
-    # axes, and those casts (a recomputation's, taken as measured in the forward
-    # pass) and the weight gradients' block-scaled products are not measured: the
-    # rows hold the forward quantisations (half the values) and the parameter
-    # gradients' rows are missing. The tensors measured are the same.
-    missing = {(f"model.mlp.layers[{i}]", "parameter gradient") for i in range(3)}
-    assert {key[:2] for key in set(plain) - set(checkpointed)} == missing
+    # axes. Those casts are a recomputation's, taken as measured in the forward
+    # pass (the rows hold the forward quantisations: half the values), and the
+    # weight gradient of a layer whose recomputed input is not traced back to its
+    # forward twin (here the last, after a ReLU shared with the layer before) has
+    # no row. The tensors measured are the same.
+    lost = {key[:2] for key in set(plain) - set(checkpointed)}
+    assert lost <= {(f"model.mlp.layers[{i}]", "parameter gradient") for i in range(3)}
+    assert len(lost) <= 1
     assert set(checkpointed) <= set(plain)
     for key, stats in checkpointed.items():
         np.testing.assert_allclose(stats.amax, plain[key].amax, err_msg=key)

@@ -512,18 +512,31 @@ class Measure(Hook):
         of an activation as an output gradient). Its results are named as the
         forward's, or, where the forward equation is not found, as a forward
         product names its operands."""
-        self.naming.measured.update(eqn.outvars)
-        # Which tensor fp8 values are quantised from, as in the forward pass: a
-        # recomputed product's operands lead to the layer's input through it.
+        naming = self.naming
+        naming.measured.update(eqn.outvars)
+        # Which tensor fp8 values are quantised from, as in the forward pass: the
+        # backward products' operands that only the recomputation makes (an MXFP8
+        # product's residuals, quantised along other axes) are its layer's input.
+        quantised_from = None
         if FP8_SCOPE in frame.scopes and eqn.primitive is lax.mul_p:
             self._maybe_scale(eqn, invals)
         elif eqn.primitive is lax.convert_element_type_p and _narrows(eqn):
-            if self.scaled is not None:
-                self.naming.source[eqn.outvars[0]] = self.scaled
+            quantised_from = self.scaled
             self.scale = self.scaled = None
-        if self.naming.recompute(eqn) or eqn.primitive not in MATMUL_PRIMITIVES:
+        if naming.recompute(eqn):
             return
-        self._recomputed_product(eqn.invars, origins, eqn.outvars)
+        (out, *_), ins = eqn.outvars, _vars(eqn.invars)
+        if quantised_from is not None:
+            naming.source[out] = quantised_from
+            layer = naming.input_of(quantised_from)
+        elif eqn.primitive in _RELAID and len(ins) == 1:
+            layer = naming.feeds.get(ins[0])  # the same values, laid out anew
+        else:
+            layer = None
+        if layer is not None:
+            naming.feeds[out] = layer
+        if eqn.primitive in MATMUL_PRIMITIVES:
+            self._recomputed_product(eqn.invars, origins, eqn.outvars)
 
     def _recomputed_product(self, invars, origins, outvars) -> None:
         """A recomputed product names its operands as the forward one did."""
@@ -562,6 +575,12 @@ def _scaling(scale: Array | None, frame: Frame) -> str | None:
     if MXFP8_SCOPE in frame.scopes:
         return "mxfp8"
     return "rowwise" if np.size(scale) > 1 else "tensorwise"
+
+
+# Equations that lay one array's values out anew (no value computed from another).
+_RELAID = frozenset(
+    {lax.transpose_p, lax.reshape_p, lax.squeeze_p, lax.broadcast_in_dim_p}
+)
 
 
 _NOT_MEASURED = (

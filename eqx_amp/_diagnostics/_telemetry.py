@@ -444,7 +444,8 @@ def telemetry(step: Callable[_P, _T]) -> Callable[_P, tuple[_T, Telemetry]]:
     example or step: `Telemetry.leading_shape`), and under `shard_map` and sharded
     `jit` (global values). What runs inside `lax.while_loop` and `lax.cond` (`redo_on_nan > 0` retries, for one) is
     not measured, nor, under `jax.checkpoint`, an MXFP8 layer's backward
-    quantisations of the recomputed inputs and its parameter gradient. Collect every N steps by calling the wrapped step then and `step`
+    quantisations of the recomputed inputs (the debugging guide says more).
+    Collect every N steps by calling the wrapped step then and `step`
     itself otherwise: `step` is not changed, so its compiled program is today's.
 
     **Arguments:**
