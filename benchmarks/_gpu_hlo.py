@@ -493,12 +493,13 @@ def roofline(text: str, device: Device = H100_SXM) -> dict:
     slower; every other kernel at its bytes; `launch_s` per kernel in `time_s_with
     _launches`. No caches, no overlap, no autotuning: for ratios between programs
     compiled alike, not for times. Returns GEMM FLOPs by dtype, GEMM bytes,
-    non-GEMM bytes by kind (`NON_GEMM_KINDS`), kernels and the two times."""
+    non-GEMM bytes by kind (`NON_GEMM_KINDS`), kernels, the two times and the part
+    of `time_s` spent in GEMMs and convolutions (`gemm_time_s`)."""
     module = _Module(text)
     launching = _launching_computations(module)
     flops = collections.Counter()
     non_gemm = collections.Counter({k: 0 for k in NON_GEMM_KINDS})
-    gemm_bytes, time_s, kernels = 0, 0.0, 0
+    gemm_bytes, time_s, gemm_time_s, kernels = 0, 0.0, 0.0, 0
     for inst in module.instructions.values():
         if inst.computation not in launching or inst.op in _NOT_KERNELS:
             continue
@@ -534,6 +535,7 @@ def roofline(text: str, device: Device = H100_SXM) -> dict:
             flops[dtype] += work
             gemm_bytes += nbytes
             peak = device.peak_flops[dtype] * device.gemm_efficiency
+            gemm_time_s += max(work / peak, memory_s)
             time_s += max(work / peak, memory_s)
         else:
             non_gemm[_kind(module, inst)] += nbytes
@@ -545,4 +547,13 @@ def roofline(text: str, device: Device = H100_SXM) -> dict:
         "kernels": kernels,
         "time_s": time_s,
         "time_s_with_launches": time_s + kernels * device.launch_s,
+        "gemm_time_s": gemm_time_s,
     }
+
+
+def ideal_ratio(roof: dict, base: dict) -> float:
+    """What a program whose GEMMs take `roof`'s time and whose other kernels
+    `base`'s would take, over `base`'s time (`roofline`s, without launches): the
+    most that fp8 GEMMs can give a step that moves no more bytes outside them than
+    the bfloat16 one does."""
+    return (base["time_s"] - base["gemm_time_s"] + roof["gemm_time_s"]) / base["time_s"]

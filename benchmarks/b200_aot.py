@@ -134,8 +134,8 @@ def markdown(results: dict) -> str:
             "",
             "| variant | products | blockScaledDot fwd / bwd / not | "
             f"GEMM TFLOP (fp8 / bf16 / f32) | {kinds} | kernels | ms | ×hand | "
-            "ms +launches | ×hand | saved MiB | saved ×hand |",
-            "|---|---|---|---|" + "---:|" * (len(_gpu_hlo.NON_GEMM_KINDS) + 7),
+            "ms +launches | ×hand | ideal ×hand | saved MiB | saved ×hand |",
+            "|---|---|---|---|" + "---:|" * (len(_gpu_hlo.NON_GEMM_KINDS) + 8),
         ]
         for r in rows:
             roof = r["roofline"]
@@ -148,6 +148,9 @@ def markdown(results: dict) -> str:
                 f"{roof['non_gemm_bytes'][k] / 1e9:.2f}"
                 for k in _gpu_hlo.NON_GEMM_KINDS
             ]
+
+            def ideal(roof=roof, base=base):
+                return f"{_gpu_hlo.ideal_ratio(roof, base):.2f}" if base else "-"
 
             def ratio(key, roof=roof, base=base):
                 return f"{roof[key] / base[key]:.2f}" if base and base[key] else "-"
@@ -162,7 +165,8 @@ def markdown(results: dict) -> str:
                 f"{flops} | " + " | ".join(cells) + f" | {roof['kernels']} | "
                 f"{roof['time_s'] * 1e3:.2f} | {ratio('time_s')} | "
                 f"{roof['time_s_with_launches'] * 1e3:.2f} | "
-                f"{ratio('time_s_with_launches')} | {r['saved'] / 2**20:.1f} | "
+                f"{ratio('time_s_with_launches')} | {ideal(roof)} | "
+                f"{r['saved'] / 2**20:.1f} | "
                 f"{saved} |"
             )
         lines.append("")

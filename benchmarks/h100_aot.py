@@ -260,8 +260,9 @@ def roofline_markdown(results: dict) -> str:
             f"### {model}: roofline on an H100 SXM",
             "",
             f"| variant | GEMM TFLOP (fp8 / bf16 / f32) | GEMM GB | {kinds} | "
-            "non-GEMM GB | kernels | temp GiB | ms | ×hand | ms +launches | ×hand |",
-            "|---|---|---:|" + "---:|" * (len(_gpu_hlo.NON_GEMM_KINDS) + 7),
+            "non-GEMM GB | kernels | temp GiB | ms | ×hand | ms +launches | ×hand | "
+            "ideal ×hand |",
+            "|---|---|---:|" + "---:|" * (len(_gpu_hlo.NON_GEMM_KINDS) + 8),
         ]
         for r in rows:
             roof = r["cublas"]["roofline"]
@@ -271,6 +272,9 @@ def roofline_markdown(results: dict) -> str:
             )
             non_gemm = roof["non_gemm_bytes"]
             cells = [f"{non_gemm[k] / 1e9:.2f}" for k in _gpu_hlo.NON_GEMM_KINDS]
+
+            def ideal(roof=roof, base=base):
+                return f"{_gpu_hlo.ideal_ratio(roof, base):.2f}" if base else "-"
 
             def ratio(key, roof=roof):
                 return f"{roof[key] / base[key]:.2f}" if base and base[key] else "-"
@@ -282,7 +286,7 @@ def roofline_markdown(results: dict) -> str:
                 f"{r['cublas']['temp_bytes'] / 2**30:.2f} | "
                 f"{roof['time_s'] * 1e3:.2f} | {ratio('time_s')} | "
                 f"{roof['time_s_with_launches'] * 1e3:.2f} | "
-                f"{ratio('time_s_with_launches')} |"
+                f"{ratio('time_s_with_launches')} | {ideal(roof)} |"
             )
         lines.append("")
     return "\n".join(lines)

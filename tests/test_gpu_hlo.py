@@ -266,3 +266,10 @@ def test_roofline_times_each_kernel_by_what_bounds_it():
     )
     assert roof["time_s"] == pytest.approx(expected)
     assert roof["time_s_with_launches"] == pytest.approx(expected + 6e-6)
+    gemms = expected - sum(roof["non_gemm_bytes"].values()) / rate
+    assert roof["gemm_time_s"] == pytest.approx(gemms)
+    # The ideal: the base's kernels outside its GEMMs, with these GEMMs' time.
+    base = {"time_s": 3 * expected, "gemm_time_s": 2 * expected}
+    assert _gpu_hlo.ideal_ratio(roof, base) == pytest.approx(
+        (expected + gemms) / (3 * expected)
+    )

@@ -510,8 +510,10 @@ class Measure(Hook):
         the backward pass: what it computes was measured when the forward pass
         computed it, and measuring it again would count it twice (a recomputed cast
         of an activation as an output gradient). Its results are named as the
-        forward's, or, where the forward equation is not found, as a forward
-        product names its operands."""
+        forward's, or, where the forward equation is not found (a recomputation
+        that makes what the forward pass did not: an MXFP8 product's residuals), as
+        a forward product names its operands and after the tensor a cast quantises
+        or a layout copies."""
         naming = self.naming
         naming.measured.update(eqn.outvars)
         # Which tensor fp8 values are quantised from, as in the forward pass: the
