@@ -274,3 +274,20 @@ needs_cuda_plugin = pytest.mark.skipif(
     importlib.util.find_spec("jax_cuda12_plugin") is None,
     reason='the CUDA plugin is not installed (pip install "jax[cuda12]==<jax>")',
 )
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def result_of_compile_script(script: str, *args: str, timeout: int = 1800) -> Any:
+    """What `script` prints after `RESULT` (JSON), run as `python -c script
+    <benchmarks folder> *args` in a fresh interpreter: the CUDA plugin must learn
+    that there is no GPU before JAX starts its backends, which pytest's process
+    has done."""
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(BENCHMARKS), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    (line,) = [x for x in run.stdout.splitlines() if x.startswith("RESULT")]
+    return json.loads(line[len("RESULT") :])

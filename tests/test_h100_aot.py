@@ -16,15 +16,11 @@ one (benchmarks/h100_aot.py). Needs the CUDA plugin, not a GPU:
   in one all-reduce.
 """
 
-import json
-import pathlib
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from .helpers import needs_cuda_plugin
+from .helpers import needs_cuda_plugin, result_of_compile_script
 
 
 pytestmark = [
@@ -32,7 +28,6 @@ pytestmark = [
     needs_cuda_plugin,
 ]
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 BF16_ROADS = ("filter_amp_bf16", "autocast_bf16", "bimodel_bf16")
 FP8_ROADS = ("autocast_fp8", "autocast_fp8_rowwise", "filter_amp_fp8", "bimodel_fp8")
 # FSDP over 8 H100s: the steps whose weights are all-gathered (a BiModel's compute
@@ -168,20 +163,7 @@ SCRIPT = textwrap.dedent(
 def compiled():
     variants = ",".join(("hand_bf16", *BF16_ROADS, *FP8_ROADS))
     fsdp = ",".join(("hand_bf16", *FSDP_HALF_ROADS, *FSDP_FP8_ROADS))
-    return _result_of(SCRIPT, variants, fsdp)
-
-
-def _result_of(script: str, *args: str) -> dict:
-    """What `script` prints after `RESULT`, run in a fresh interpreter."""
-    run = subprocess.run(
-        [sys.executable, "-c", script, str(BENCHMARKS), *args],
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    (line,) = [x for x in run.stdout.splitlines() if x.startswith("RESULT")]
-    return json.loads(line[len("RESULT") :])
+    return result_of_compile_script(SCRIPT, variants, fsdp)
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
@@ -281,74 +263,6 @@ def test_fsdp_fp8_roads_reduce_every_weight_amax_in_one_all_reduce(compiled, roa
     for arrays in all_reduces:
         if arrays != [["f32", weights]]:
             assert sum(n for _, n in arrays) <= 3 or sum(n for _, n in arrays) > 1000
-
-
-ROOFLINE_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    sys.path[:0] = [sys.argv[1], sys.argv[1] + "/.."]
-    import h100_aot
-    sharding = h100_aot.h100_sharding()
-    out = {
-        v: h100_aot.compile_variant(
-            "gpt", v, "gpu", sharding, ("cublas",), config="depth=4,batch=8"
-        )["cublas"]["roofline"]
-        for v in sys.argv[2].split(",")
-    }
-    print("RESULT" + json.dumps(out))
-    """
-)
-ROOFLINE_ROADS = (
-    "filter_amp_bf16", "filter_amp_fp8", "autocast_fp8", "bimodel_fp8",
-    "filter_amp_fp8_paying",
-)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def roofline():
-    """The GPT-2-small-sized step (4 blocks x 768, seq 1024, batch 8, vocab 32768)
-    compiled for an H100 with cuBLAS GEMMs: each road's roofline."""
-    return _result_of(ROOFLINE_SCRIPT, ",".join(("hand_bf16", *ROOFLINE_ROADS)))
-
-
-# The roofline ratios to hand-cast bfloat16 (launches counted) as compiled today,
-# with 3% for XLA's changes: a step that moves more bytes or launches more kernels
-# than this is a regression. The goal is below 0.97 for every fp8 road (measured
-# on an H100: 1.21x, 1.51x and 1.23x before the roofline work; 1.16x by the roofline
-# while the forward GEMMs wrote float32, 1.03x since they write bfloat16).
-ROOFLINE_LIMITS = {"filter_amp_fp8": 1.06, "autocast_fp8": 1.06, "bimodel_fp8": 1.06}
-
-
-def test_a_bfloat16_road_has_the_hand_cast_roofline(roofline):
-    assert roofline["filter_amp_bf16"] == roofline["hand_bf16"]
-    assert roofline["hand_bf16"]["non_gemm_bytes"]["quantise"] == 0
-    assert roofline["hand_bf16"]["non_gemm_bytes"]["epilogue"] == 0
-
-
-@pytest.mark.parametrize("road", ["filter_amp_fp8", "autocast_fp8", "bimodel_fp8"])
-def test_fp8_roofline_does_not_regress(roofline, road):
-    hand, ours = roofline["hand_bf16"], roofline[road]
-    ratio = ours["time_s_with_launches"] / hand["time_s_with_launches"]
-    assert ratio <= ROOFLINE_LIMITS[road]
-    # Its GEMMs are fp8 and cost less than bfloat16's; what they cost around
-    # them is quantisation, amaxes and rescaling epilogues.
-    assert ours["gemm_flops"]["fp8"] > 0.8 * hand["gemm_flops"]["bf16"]
-    for kind in ("quantise", "amax"):
-        assert ours["non_gemm_bytes"][kind] > hand["non_gemm_bytes"][kind]
-    # No GEMM writes float32 for another kernel to rescale.
-    assert ours["non_gemm_bytes"]["epilogue"] == 0
-
-
-def test_fp8_where_it_pays_is_not_slower_than_bfloat16(roofline):
-    """`TENSORWISE.where_it_pays()` leaves GPT-2-small's 768 x 768 projections in
-    bfloat16: the step is no slower than hand-cast's (0.993x with launches, 0.961x
-    without, as compiled today), where every product in fp8 is 1.03x."""
-    hand, ours = roofline["hand_bf16"], roofline["filter_amp_fp8_paying"]
-    assert ours["time_s_with_launches"] <= 1.00 * hand["time_s_with_launches"]
-    assert ours["time_s"] <= 0.97 * hand["time_s"]
-    assert (
-        0 < ours["gemm_flops"]["fp8"] < roofline["filter_amp_fp8"]["gemm_flops"]["fp8"]
-    )
 
 
 def test_products_no_fp8_gemm_takes_have_no_float16_in_the_h100_program(compiled):
