@@ -419,3 +419,47 @@ def test_autocast_around_a_block_scaled_product(getkey):
     assert report.flops_by_dtypes == {
         ("float8_e4m3fn", "float8_e4m3fn"): 2 * 2 * 7 * 5 * 64
     }
+
+
+class _ScannedStack(eqx.Module):
+    blocks: eqx.nn.Linear
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def body(h, block):
+            return jnp.tanh(eqx.combine(block, static)(h)), None
+
+        return jax.lax.scan(body, x, dynamic)[0]
+
+
+@pytest.mark.parametrize("road", sorted(ROADS))
+def test_a_vmap_outside_the_wrapper_keeps_scanned_products_in_the_compute_dtype(
+    getkey, road
+):
+    # The wrapper traces the scan body one example at a time and the outer vmap
+    # batches it afterwards: JAX cannot batch a block-scaled product whose weight
+    # was not traced with the batch (it raised an AssertionError from
+    # `scaled_matmul`'s batching rule). The products run in the compute dtype,
+    # which the warning says, and `precision_report` gives the reason.
+    keys = jr.split(getkey(), 3)
+    model = _ScannedStack(eqx.filter_vmap(lambda k: eqx.nn.Linear(32, 32, key=k))(keys))
+    x = jr.normal(getkey(), (16, 32))
+    wrapped = ROADS[road](model)
+
+    def loss(model, x):
+        return jnp.mean(jax.vmap(ROADS[road](model))(x).astype(jnp.float32) ** 2)
+
+    eqx_amp._core._wrapper.warn_once.cache_clear()  # said once per process
+    with pytest.warns(UserWarning, match="nor can JAX batch a block-scaled"):
+        grads = eqx.filter_jit(eqx.filter_grad(loss))(model, x)
+    reference = eqx.filter_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2))(model, x)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)):
+        assert a.shape == b.shape and bool(jnp.all(jnp.isfinite(a)))
+        # bfloat16 products: within bfloat16's rounding of float32's gradients.
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 0.02
+    report = eqx_amp.precision_report(lambda x: jax.vmap(wrapped)(x), x)
+    assert report.block_scaled_flops == 0
+    assert report.fp8_skipped and all(
+        "traced one example at a time" in skip.reason for skip in report.fp8_skipped
+    )

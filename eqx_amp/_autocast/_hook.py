@@ -18,10 +18,11 @@ from .._fp8 import (
     product_in_fp8,
     quantize_weights_once,
     remember_fp8,
-    warn_if_traced_per_example,
+    traced_per_example,
 )
 from .._jaxpr import _compat as compat
 from .._jaxpr._hook import Evaluate, Frame, Hook, Origin, is_higher_order, traced_dtypes
+from .._jaxpr._outer_vmap import batched_after_tracing
 from .._sharding import (
     bind_reducing_gradients,
     reduced_operands,
@@ -87,9 +88,11 @@ class _JaxprCasts(Hook):
         if is_higher_order(eqn):
             if self._reduce_dtype is not None:
                 warn_if_batched_after_tracing(eqn, invals, origins)
-            if self._rules.uses_fp8:
-                warn_if_traced_per_example(eqn, invals, origins)
-            outs = evaluate(invals)
+            if self._rules.uses_fp8 and batched_after_tracing(eqn, invals, origins):
+                with traced_per_example(eqn):
+                    outs = evaluate(invals)
+            else:
+                outs = evaluate(invals)
         else:
             outs = self._first_order(eqn, invals, origins, frame, evaluate)
         self._layer_calls.made(eqn.outvars, call)

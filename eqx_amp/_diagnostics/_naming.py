@@ -204,7 +204,9 @@ class Naming:
                 zip(jaxpr.invars, eqn.invars[len(eqn.invars) - len(jaxpr.invars) :])
             )
             for src, dst in zip(outvars, eqn.outvars):
-                passed = operands.get(src) if not isinstance(src, compat.Literal) else None
+                passed = (
+                    operands.get(src) if not isinstance(src, compat.Literal) else None
+                )
                 if passed is not None and not isinstance(passed, compat.Literal):
                     self.source[dst] = passed
             if not same:

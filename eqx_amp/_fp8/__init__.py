@@ -38,4 +38,4 @@ from ._rules import TENSORWISE as TENSORWISE
 from ._rules import Fp8Rule as Fp8Rule
 from ._rules import product_in_fp8 as product_in_fp8
 from ._rules import quantize_weights_once as quantize_weights_once
-from ._rules import warn_if_traced_per_example as warn_if_traced_per_example
+from ._rules import traced_per_example as traced_per_example

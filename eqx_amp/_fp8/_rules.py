@@ -2,8 +2,10 @@
 `MXFP8`) and the hooks that rebind a program's matmuls and convolutions as fp8 ones
 (their shapes permitting: `_shapes`)."""
 
+import contextlib
+import contextvars
 import functools as ft
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import jax
@@ -300,6 +302,8 @@ def matmul_in_fp8(
         )(lhs, rhs)
     eligible = mxfp8_eligible if scaling == "mxfp8" else fp8_eligible
     reason = eligible(lhs.shape, rhs.shape, dims) if only_eligible else None
+    if reason is None and scaling == "mxfp8" and _PER_EXAMPLE.get():
+        reason = _PER_EXAMPLE_REASON
     if reason is None and only_eligible and pays_only:
         reason = fp8_cost_reason(lhs.shape, rhs.shape, dims)
     if reason is not None or min(lhs.shape + rhs.shape, default=1) == 0:
@@ -381,7 +385,9 @@ class Fp8ParamsHook(Hook):
             origin is Origin.PARAMS and jnp.issubdtype(jnp.result_type(v), jnp.floating)
             for v, origin in zip(invals, origins)
         )
-        warn_if_traced_per_example(eqn, invals, origins)
+        if batched_after_tracing(eqn, invals, origins):
+            with traced_per_example(eqn):
+                return evaluate(invals)
         if eqn.primitive in FP8_PRIMITIVES and reads_params:
             out_dtype = eqn.outvars[0].aval.dtype
             return [
@@ -404,17 +410,31 @@ _TRACED_PER_EXAMPLE = (
     "The matmuls inside this `{name}` cannot run in fp8: a `jax.vmap` applied outside "
     "`filter_amp`/`autocast`/`BiModel` batches its body after eqx_amp has traced it, "
     "one example at a time, and one example's matmul (a matrix times a vector) is "
-    "not a shape an fp8 GEMM takes; they run in the compute dtype "
-    "(`precision_report` lists them). Apply the wrapper outside the vmap: "
-    "`eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=...)(x)`."
+    "not a shape an fp8 GEMM takes, nor can JAX batch a block-scaled (MXFP8) one; "
+    "they run in the compute dtype (`precision_report` lists them). Apply the "
+    "wrapper outside the vmap: `eqx_amp.filter_amp(eqx.filter_vmap(model), "
+    "fp8=...)(x)`."
+)
+# Inside a body a `jax.vmap` outside the wrapper batches after it is traced.
+_PER_EXAMPLE = contextvars.ContextVar("eqx_amp_fp8_traced_per_example", default=False)
+_PER_EXAMPLE_REASON = (
+    "traced one example at a time under a `jax.vmap` outside the wrapper, which "
+    "cannot batch a block-scaled product"
 )
 
 
-def warn_if_traced_per_example(eqn: Any, invals: list, origins: list) -> None:
-    """Says when the matmuls inside a higher-order primitive are traced per example
-    (a `jax.vmap` outside), too small for fp8."""
-    if batched_after_tracing(eqn, invals, origins):
-        warn_once(_TRACED_PER_EXAMPLE.format(name=eqn.primitive))
+@contextlib.contextmanager
+def traced_per_example(eqn: Any) -> Iterator[None]:
+    """Evaluates the body of `eqn`, a higher-order primitive that a `jax.vmap`
+    outside the wrapper batches after it is traced (`batched_after_tracing`): says
+    so, and keeps its MXFP8 products in the compute dtype (JAX's block-scaled
+    product does not batch an operand whose batch it was not traced with)."""
+    warn_once(_TRACED_PER_EXAMPLE.format(name=eqn.primitive))
+    token = _PER_EXAMPLE.set(True)
+    try:
+        yield
+    finally:
+        _PER_EXAMPLE.reset(token)
 
 
 def quantize_weights_once(
