@@ -104,7 +104,7 @@ def test_accelerators_count_every_value_in_one_pass():
     """The form a GPU or TPU runs: every value counted, exactly, in one variadic
     reduction (a CPU counts a sample; the choice is made as the program is lowered,
     so this calls the accelerators' form directly)."""
-    from eqx_amp._diagnostics._measure import _counted_whole, _magnitude_bits
+    from eqx_amp._diagnostics._statistics import _counted_whole, _magnitude_bits
 
     weight = _large_weight()
     magnitude = _magnitude_bits(jnp.asarray(weight))
@@ -589,7 +589,7 @@ def test_a_checkpointed_forward_recomputed_in_the_backward_is_measured_once(
 def test_what_a_cast_makes_is_read_from_the_values_before_it(dtype):
     """At a cast the counts are read from the values before it (one pass over one
     tensor): they must be what the cast makes, at every boundary, ties included."""
-    from eqx_amp._diagnostics._measure import _held, _magnitude_bits
+    from eqx_amp._diagnostics._statistics import _held, _magnitude_bits
 
     finfo = jnp.finfo(dtype)
     tiny, smallest, largest = (

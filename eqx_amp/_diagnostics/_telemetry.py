@@ -18,8 +18,9 @@ from .._bimodel import BiModel
 from .._core._wrapper import FunctionWrapper, check_callable
 from .._jaxpr._evaluate import evaluate_making
 from .._jaxpr._hook import Origin, cast_to
-from ._measure import Measure, Measured, combine
+from ._measure import Measure
 from ._naming import Naming, Path, index_position, keyed_paths
+from ._statistics import Measured, combine
 
 
 _P = ParamSpec("_P")
