@@ -425,10 +425,17 @@ _PER_EXAMPLE_REASON = (
 
 @contextlib.contextmanager
 def traced_per_example(eqn: Any) -> Iterator[None]:
-    """Evaluates the body of `eqn`, a higher-order primitive that a `jax.vmap`
-    outside the wrapper batches after it is traced (`batched_after_tracing`): says
-    so, and keeps its MXFP8 products in the compute dtype (JAX's block-scaled
-    product does not batch an operand whose batch it was not traced with)."""
+    """The context to evaluate the body of `eqn` in, a higher-order primitive that a
+    `jax.vmap` outside the wrapper batches after it is traced
+    (`batched_after_tracing`): it says so, and keeps the body's MXFP8 products in
+    the compute dtype (JAX's block-scaled product does not batch an operand whose
+    batch it was not traced with).
+
+    ```python
+    with traced_per_example(eqn):
+        outs = evaluate(invals)
+    ```
+    """
     warn_once(_TRACED_PER_EXAMPLE.format(name=eqn.primitive))
     token = _PER_EXAMPLE.set(True)
     try:
