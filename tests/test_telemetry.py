@@ -313,6 +313,21 @@ for wrap in (eqx_amp.filter_amp, eqx_amp.autocast):
         role: {k: float(getattr(t, k)) for k in ("amax", "size", "overflow")}
         for role, t in stats.items()
     }
+# MXFP8 products under `shard_map` (its quantiser's constants are `pvary`'d
+# literals, which once crashed the pass), typed and not.
+for check_vma in (True, False):
+    def forward(m, x, check_vma=check_vma):
+        return jax.shard_map(
+            lambda x: jax.vmap(m)(x), mesh=mesh, in_specs=P("data"),
+            out_specs=P("data"), check_vma=check_vma,
+        )(x)
+    model = eqx_amp.filter_amp(linear, fp8=eqx_amp.fp8.MXFP8)
+    _, tel = jax.jit(eqx_amp.diagnostics.telemetry(forward))(model, x)
+    report[f"mxfp8 check_vma={check_vma}"] = {
+        t.role: {"scaling": t.scaling, "size": float(t.size), "amax": float(t.amax),
+                 "overflow": float(t.overflow)}
+        for t in tel.tensors if t.scaling is not None
+    }
 """
 
 
@@ -330,6 +345,17 @@ def test_eight_devices_give_global_values():
         assert weight["amax"] == 1e5
         assert activation["size"] == 64 * 512
         np.testing.assert_allclose(activation["amax"], report["reference"])
+    # MXFP8: the replicated weight is counted once where `shard_map` types it (every
+    # device's copy without the types), its outlier saturates nothing (its block's
+    # scale holds it), and the activations' amax is the global one (of bfloat16
+    # values).
+    for check_vma, copies in ((True, 1), (False, 8)):
+        mx = report[f"mxfp8 check_vma={check_vma}"]
+        assert {t["scaling"] for t in mx.values()} == {"mxfp8"}
+        assert mx["weight"]["size"] == copies * 256 * 512
+        assert mx["weight"]["overflow"] == 0 and mx["weight"]["amax"] > 9.9e4
+        assert mx["activation"]["size"] == 64 * 512
+        np.testing.assert_allclose(mx["activation"]["amax"], report["reference"], 1e-2)
 
 
 def test_products_inside_a_while_loop_are_said_to_be_unmeasured():

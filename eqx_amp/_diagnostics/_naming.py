@@ -153,9 +153,12 @@ class Naming:
         typed as varying along: made so by `pvary`, or computed from such values and
         values typed as the same."""
         if eqn.primitive.name == compat.PVARY_NAME:
-            (var,) = eqn.invars
-            axes = frozenset(eqn.params["axes"]) | self.replicated.get(var, frozenset())
-            self.replicated[eqn.outvars[0]] = axes
+            # One output per operand; an operand may be a literal (a constant).
+            for var, out in zip(eqn.invars, eqn.outvars):
+                same = frozenset()
+                if not isinstance(var, compat.Literal):
+                    same = self.replicated.get(var, frozenset())
+                self.replicated[out] = frozenset(eqn.params["axes"]) | same
             return
         ins = [
             (self.replicated.get(v, frozenset()), compat.varying_axes(x))
