@@ -753,3 +753,50 @@ def test_a_checkpointed_mxfp8_forward_is_measured_once(remat):
     for key, stats in checkpointed.items():
         np.testing.assert_allclose(stats.amax, plain[key].amax, err_msg=key)
         assert stats.scaling == plain[key].scaling
+
+
+@pytest.mark.parametrize("road", ["filter_amp", "autocast", "bimodel"])
+def test_mxfp8_scan_stacked_blocks_have_one_entry_per_iteration(road):
+    class Stack(eqx.Module):
+        blocks: eqx.nn.Linear
+
+        def __call__(self, x):
+            dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+            def body(h, block):
+                return jnp.tanh(jax.vmap(eqx.combine(block, static))(h)), None
+
+            return jax.lax.scan(body, x, dynamic)[0]
+
+    keys = jr.split(jr.key(0), 3)
+    model = Stack(eqx.filter_vmap(lambda k: eqx.nn.Linear(32, 32, key=k))(keys))
+    mxfp8 = eqx_amp.fp8.MXFP8
+    wrapped = {
+        "filter_amp": lambda: eqx_amp.filter_amp(model, policy=BF16, fp8=mxfp8),
+        "autocast": lambda: eqx_amp.autocast(
+            model, policy=BF16, rules={jax.lax.dot_general_p: mxfp8}
+        ),
+        "bimodel": lambda: eqx_amp.BiModel(model, fp8=mxfp8),
+    }[road]()
+
+    def step(model, x):
+        return eqx.filter_grad(lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2))(
+            model, x
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, tel = eqx.filter_jit(telemetry(step))(
+            wrapped, jr.normal(jr.key(1), (32, 32))
+        )
+    stacked = {
+        (t.role, t.scaling) for t in tel.tensors if t.layer == "model.blocks[{0}]"
+    }
+    for role in ("weight", "activation", "output gradient"):
+        assert (role, "mxfp8") in stacked, (road, role)
+    assert ("parameter gradient", None) in stacked
+    for t in tel.tensors:
+        if t.layer == "model.blocks[{0}]":
+            assert t.amax.shape == (3,)
+    rows = {(r.layer, r.role) for r in tel.rows()}
+    assert ("model.blocks[2]", "parameter gradient") in rows
