@@ -15,6 +15,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import numpy as np
 import pytest
 
@@ -127,6 +128,7 @@ _WORKER = r"""
 import contextlib, io, json, sys, traceback
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 protocol = sys.stdout
 sys.stdout = sys.stderr
 defaults = {name: getattr(jax.config, name) for name in (
@@ -291,3 +293,29 @@ def result_of_compile_script(script: str, *args: str, timeout: int = 1800) -> An
     assert run.returncode == 0, run.stderr[-4000:]
     (line,) = [x for x in run.stdout.splitlines() if x.startswith("RESULT")]
     return json.loads(line[len("RESULT") :])
+
+
+class ScannedLinears(eqx.Module):
+    """`eqx.nn.Linear` layers stacked along a leading axis (`eqx.filter_vmap` of
+    their constructor) and run one after another by `lax.scan`, each followed by
+    `tanh`. `batched`: each layer is `jax.vmap`ped over the input's leading axis
+    (a batch); otherwise it reads one example."""
+
+    blocks: eqx.nn.Linear
+    batched: bool = eqx.field(static=True, default=False)
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def body(h, block):
+            layer = eqx.combine(block, static)
+            return jnp.tanh(jax.vmap(layer)(h) if self.batched else layer(h)), None
+
+        return jax.lax.scan(body, x, dynamic)[0]
+
+
+def scanned_linears(n: int, width: int, batched: bool = False) -> ScannedLinears:
+    """`n` layers of `width` features, from fixed keys."""
+    keys = jr.split(jr.key(0), n)
+    blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(width, width, key=k))(keys)
+    return ScannedLinears(blocks, batched)

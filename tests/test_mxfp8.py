@@ -27,6 +27,8 @@ import pytest
 
 import eqx_amp
 
+from .helpers import scanned_linears
+
 
 MATMUL = (((1,), (0,)), ((), ()))
 E4M3_ULP, E4M3_SUBNORMAL = 2.0**-4, 2.0**-9  # unit roundoff; spacing below 2**-6
@@ -421,18 +423,6 @@ def test_autocast_around_a_block_scaled_product(getkey):
     }
 
 
-class _ScannedStack(eqx.Module):
-    blocks: eqx.nn.Linear
-
-    def __call__(self, x):
-        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
-
-        def body(h, block):
-            return jnp.tanh(eqx.combine(block, static)(h)), None
-
-        return jax.lax.scan(body, x, dynamic)[0]
-
-
 @pytest.mark.parametrize("road", sorted(ROADS))
 def test_a_vmap_outside_the_wrapper_keeps_scanned_products_in_the_compute_dtype(
     getkey, road
@@ -442,8 +432,7 @@ def test_a_vmap_outside_the_wrapper_keeps_scanned_products_in_the_compute_dtype(
     # was not traced with the batch (it raised an AssertionError from
     # `scaled_matmul`'s batching rule). The products run in the compute dtype,
     # which the warning says, and `precision_report` gives the reason.
-    keys = jr.split(getkey(), 3)
-    model = _ScannedStack(eqx.filter_vmap(lambda k: eqx.nn.Linear(32, 32, key=k))(keys))
+    model = scanned_linears(3, 32)
     x = jr.normal(getkey(), (16, 32))
     wrapped = ROADS[road](model)
 

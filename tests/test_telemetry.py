@@ -15,7 +15,7 @@ import pytest
 import eqx_amp
 from eqx_amp.diagnostics import telemetry
 
-from .helpers import run_script_on_eight_devices
+from .helpers import run_script_on_eight_devices, scanned_linears
 
 
 F16 = eqx_amp.get_policy("p=f32,c=f16,o=f32")
@@ -232,19 +232,7 @@ def test_fp8_convolution_gradients_are_measured_unscaled():
 
 
 def test_scan_stacked_blocks_have_one_entry_per_iteration():
-    class Stack(eqx.Module):
-        blocks: eqx.nn.Linear
-
-        def __call__(self, x):
-            dynamic, static = eqx.partition(self.blocks, eqx.is_array)
-
-            def body(h, block):
-                return jnp.tanh(eqx.combine(block, static)(h)), None
-
-            return jax.lax.scan(body, x, dynamic)[0]
-
-    keys = jr.split(jr.key(0), 3)
-    model = Stack(eqx.filter_vmap(lambda k: eqx.nn.Linear(16, 16, key=k))(keys))
+    model = scanned_linears(3, 16)
     amp = eqx_amp.autocast(model, policy=F16)
     _, tel = eqx.filter_jit(telemetry(_step))(amp, jr.normal(jr.key(1), (8, 16)))
     weight = _row(tel, "model.blocks[{0}]", "weight", at_cast=True)
@@ -757,19 +745,7 @@ def test_a_checkpointed_mxfp8_forward_is_measured_once(remat):
 
 @pytest.mark.parametrize("road", ["filter_amp", "autocast", "bimodel"])
 def test_mxfp8_scan_stacked_blocks_have_one_entry_per_iteration(road):
-    class Stack(eqx.Module):
-        blocks: eqx.nn.Linear
-
-        def __call__(self, x):
-            dynamic, static = eqx.partition(self.blocks, eqx.is_array)
-
-            def body(h, block):
-                return jnp.tanh(jax.vmap(eqx.combine(block, static))(h)), None
-
-            return jax.lax.scan(body, x, dynamic)[0]
-
-    keys = jr.split(jr.key(0), 3)
-    model = Stack(eqx.filter_vmap(lambda k: eqx.nn.Linear(32, 32, key=k))(keys))
+    model = scanned_linears(3, 32, batched=True)
     mxfp8 = eqx_amp.fp8.MXFP8
     wrapped = {
         "filter_amp": lambda: eqx_amp.filter_amp(model, policy=BF16, fp8=mxfp8),
