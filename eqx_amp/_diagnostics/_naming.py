@@ -198,20 +198,8 @@ class Naming:
     def out_of_bodies(self, eqn: Any) -> None:
         same = eqn.primitive in _SAME_VALUES
         for body in compat.sub_jaxprs(eqn.params):
-            jaxpr = compat.open_jaxpr(body)[0]
-            outvars = jaxpr.outvars
+            outvars = compat.open_jaxpr(body)[0].outvars
             self._copy(outvars, eqn.outvars, twin=False)
-            # A result that is an operand passed through (a custom derivative rule
-            # around values it leaves alone) was computed from it one to one.
-            operands = dict(
-                zip(jaxpr.invars, eqn.invars[len(eqn.invars) - len(jaxpr.invars) :])
-            )
-            for src, dst in zip(outvars, eqn.outvars):
-                passed = (
-                    operands.get(src) if not isinstance(src, compat.Literal) else None
-                )
-                if passed is not None and not isinstance(passed, compat.Literal):
-                    self.source[dst] = passed
             if not same:
                 continue
             pairs = [
@@ -266,18 +254,14 @@ class Naming:
             todo += [self.source.get(var), self.twin.get(var)]
 
     def input_of(self, var: Any) -> Path | None:
-        """The layer `var`, what it was computed from one to one, or the forward
-        variable of the same value (`twin`) is an input of (a backward product's
-        operand quantised from a recomputed input)."""
-        todo, seen = [var], set()
-        while todo:
-            var = todo.pop()
-            if var is None or var in seen:
-                continue
+        """The layer `var`, or what it was computed from one to one, is an input of
+        (a backward product's operand quantised from a recomputed input)."""
+        seen = set()
+        while var is not None and var not in seen:
             if var in self.feeds:
                 return self.feeds[var]
             seen.add(var)
-            todo += [self.source.get(var), self.twin.get(var)]
+            var = self.source.get(var)
         return None
 
     def layer_of(self, var: Any) -> Path | None:
