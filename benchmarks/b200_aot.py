@@ -59,22 +59,20 @@ def builders() -> dict:
 
     import eqx_amp
 
-    mxfp8 = eqx_amp.fp8.MXFP8
-    autocast = ft.partial(eqx_amp.autocast, rules={jax.lax.dot_general_p: mxfp8})
-    own = {
-        "autocast_mxfp8": _variants.wrapped(autocast)("bf16"),
-        "filter_amp_mxfp8": _variants.wrapped(
-            ft.partial(eqx_amp.filter_amp, fp8=mxfp8)
-        )("bf16"),
-        "bimodel_mxfp8": _variants.bimodel("bf16", fp8=mxfp8),
-    }
+    own = {}
+    for name, rule in (("mxfp8", eqx_amp.fp8.MXFP8), ("nvfp4", eqx_amp.fp8.NVFP4)):
+        autocast = ft.partial(eqx_amp.autocast, rules={jax.lax.dot_general_p: rule})
+        filter_amp = ft.partial(eqx_amp.filter_amp, fp8=rule)
+        own[f"autocast_{name}"] = _variants.wrapped(autocast)("bf16")
+        own[f"filter_amp_{name}"] = _variants.wrapped(filter_amp)("bf16")
+        own[f"bimodel_{name}"] = _variants.bimodel("bf16", fp8=rule)
     return {**{n: v.build for n, v in _variants.VARIANTS.items()}, **own}
 
 
 def block_scaled_check(text: str) -> dict:
-    """The MXFP8 products of a compiled program: forward and backward
-    `__cudnn$blockScaledDot` calls, and the products eqx_amp made MXFP8 ones that
-    are something else."""
+    """The block-scaled products of a compiled program: forward and backward
+    `__cudnn$blockScaledDot` calls, those of them reading NVFP4 operands, and the
+    products eqx_amp made block-scaled ones that are something else."""
     import _gpu_hlo
 
     found = _gpu_hlo.products(text)
@@ -84,6 +82,8 @@ def block_scaled_check(text: str) -> dict:
     return {
         "block_scaled_forward": len(cudnn) - backward,
         "block_scaled_backward": backward,
+        # NVFP4's forward products (`eqx_amp.fp8.NVFP4`): e2m1 operands.
+        "fp4_products": sum(p.reads == ("f4e2m1fn", "f4e2m1fn") for p in cudnn),
         "mxfp8_not_cudnn": [
             {"call": p.call, "reads": list(p.reads), "op_name": p.op_name}
             for p in mx

@@ -1,13 +1,15 @@
 """fp8 matmuls in training: does a model trained with them land where bfloat16 does?
 
 Two models, each trained from the same weights on the same batches, for a few seeds,
-with `eqx_amp.autocast` in four ways:
+with `eqx_amp.autocast` in five ways:
 
 - `bf16`: the default rules (matmuls and convolutions in bfloat16);
 - `fp8`: `rules={dot_general: eqx_amp.fp8.TENSORWISE, conv_general_dilated: eqx_amp.fp8.TENSORWISE}`, current
   scaling (each tensor scaled from its own absolute maximum before it is cast);
 - `mxfp8`: `eqx_amp.fp8.MXFP8`, a power-of-two scale per block of 32 values along
   each product's contracting dimension (Blackwell's recipe);
+- `nvfp4`: `eqx_amp.fp8.NVFP4`, forward products in NVFP4 (4-bit e2m1 values, an
+  e4m3 scale per 16 values and a float32 one per tensor), backward ones in MXFP8;
 - `fp8, no scaling` (the ablation): the same casts to `float8_e4m3fn` with no scale,
   written as a user rule; the backward pass then casts gradients to e4m3 unscaled too.
 
@@ -64,6 +66,12 @@ VARIANTS = {
     "mxfp8": {
         jax.lax.dot_general_p: eqx_amp.fp8.MXFP8,
         jax.lax.conv_general_dilated_p: eqx_amp.fp8.MXFP8,
+    },
+    # Blackwell's 4-bit recipe, forward products only: e2m1 values with an e4m3
+    # scale per 16 and a float32 one per tensor; backward products in MXFP8.
+    "nvfp4": {
+        jax.lax.dot_general_p: eqx_amp.fp8.NVFP4,
+        jax.lax.conv_general_dilated_p: eqx_amp.fp8.NVFP4,
     },
     "fp8, no scaling": {
         jax.lax.dot_general_p: _unscaled_fp8,

@@ -1,4 +1,4 @@
-"""What XLA makes of eqx_amp's MXFP8 products on a B200 (cuDNN 9.10), compiled without
+"""What XLA makes of eqx_amp's MXFP8 and NVFP4 products on a B200 (cuDNN 9.10), compiled without
 one (benchmarks/b200_aot.py). Needs the CUDA plugin, not a GPU:
 `pip install "jax[cuda12]==<jax version>"`.
 
@@ -9,6 +9,9 @@ one (benchmarks/b200_aot.py). Needs the CUDA plugin, not a GPU:
   `filter_amp(fp8=)`, `BiModel(fp8=)`): every product eqx_amp made an MXFP8 one is
   `__cudnn$blockScaledDot`, one forward and two backward per matmul, and the
   residuals saved for the backward pass are fewer bytes than hand-cast bfloat16's;
+- the same for `eqx_amp.fp8.NVFP4` (by hand and on every road): each forward
+  product is a `__cudnn$blockScaledDot` of e2m1 operands, its two backward
+  products MXFP8 ones;
 - an MLP under `jax.shard_map` FSDP on 8 B200s, its weights gathered in MXFP8.
 """
 
@@ -30,6 +33,7 @@ pytestmark = [
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 MXFP8_ROADS = ("autocast_mxfp8", "filter_amp_mxfp8", "bimodel_mxfp8")
+NVFP4_ROADS = ("autocast_nvfp4", "filter_amp_nvfp4", "bimodel_nvfp4")
 
 # A fresh interpreter: the CUDA plugin must learn that there is no GPU before JAX
 # starts its backends, which pytest's process has done.
@@ -43,11 +47,11 @@ SCRIPT = textwrap.dedent(
     import eqx_amp
     from h100_aot import compile_for_h100
 
-    def by_hand(m, k, n):
+    def by_hand(m, k, n, scaling="mxfp8"):
         def step(x, w):
             def loss(x, w):
                 y = eqx_amp.fp8.dot_general(
-                    x, w, (((1,), (0,)), ((), ())), scaling="mxfp8"
+                    x, w, (((1,), (0,)), ((), ())), scaling=scaling
                 )
                 return jnp.sum(y.astype(jnp.float32) ** 2)
             return jax.grad(loss, (0, 1))(x, w)
@@ -55,7 +59,11 @@ SCRIPT = textwrap.dedent(
         compiled = compile_for_h100(step, *args, sharding=sharding, triton_gemm=False)
         return b200_aot.block_scaled_check(compiled.as_text())
 
-    out = {"hand": [by_hand(*s) for s in [(256, 512, 384), (10, 64, 10)]]}
+    sizes = [(256, 512, 384), (10, 64, 10)]
+    out = {
+        "hand": [by_hand(*s) for s in sizes],
+        "hand_nvfp4": [by_hand(*s, scaling="nvfp4") for s in sizes],
+    }
     for model in ("gpt", "llama"):
         out[model] = [
             b200_aot.compile_variant(model, v, "tiny", sharding)
@@ -69,7 +77,13 @@ SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def compiled():
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(BENCHMARKS), ",".join(MXFP8_ROADS)],
+        [
+            sys.executable,
+            "-c",
+            SCRIPT,
+            str(BENCHMARKS),
+            ",".join(MXFP8_ROADS + NVFP4_ROADS),
+        ],
         capture_output=True,
         text=True,
         timeout=1800,
@@ -84,6 +98,12 @@ def test_dot_general_by_hand_is_cudnn_block_scaled(compiled):
         assert check["block_scaled_forward"] == 1
         assert check["block_scaled_backward"] == 2
         assert check["mxfp8_not_cudnn"] == []
+        assert check["fp4_products"] == 0
+    # NVFP4: the forward product reads e2m1 operands, the backward ones MXFP8.
+    for check in compiled["hand_nvfp4"]:
+        assert check["block_scaled_forward"] == check["fp4_products"] == 1
+        assert check["block_scaled_backward"] == 2
+        assert check["mxfp8_not_cudnn"] == []
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
@@ -96,6 +116,8 @@ def test_every_road_is_cudnn_block_scaled(compiled, model):
         assert row["block_scaled_backward"] == 2 * forward, row["variant"]
         assert row["mxfp8_not_cudnn"] == [], row["variant"]
         assert row["saved"] < hand["saved"], row["variant"]
+        nvfp4 = row["variant"].endswith("nvfp4")
+        assert row["fp4_products"] == (forward if nvfp4 else 0), row["variant"]
 
 
 FSDP_SCRIPT = textwrap.dedent(

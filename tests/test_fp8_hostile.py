@@ -680,3 +680,37 @@ def test_a_vmap_outside_a_checkpointed_fp8_layer_is_said(road):
     assert any(
         "float8_e4m3fn" in str(e.outvars[0].aval.dtype) for e, _ in walk_eqns(jaxpr)
     )
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_by_hand_under_shard_map_and_pmap_a_replicated_operand_gets_its_gradient(
+    getkey, scaling, check_vma
+):
+    """A data-parallel product by hand: `x` split over the mesh, `w` replicated.
+    With `check_vma` its gradient must come back typed as replicated, summed over
+    the mesh, as `lax.dot_general`'s does (it raised, the derivative rule's
+    gradient typed as varying)."""
+    x, w = jr.normal(getkey(), (8, 64)), jr.normal(getkey(), (64, 32))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    spec = jax.sharding.PartitionSpec
+
+    def product(x, w):
+        return eqx_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ())), scaling=scaling)
+
+    def loss(product):
+        return lambda x, w: jnp.sum(product(x, w) ** 2)
+
+    sharded = jax.shard_map(
+        product,
+        mesh=mesh,
+        in_specs=(spec("data"), spec()),
+        out_specs=spec("data"),
+        check_vma=check_vma,
+    )
+    expected = jax.jit(jax.grad(loss(product), (0, 1)))(x, w)
+    grads = jax.jit(jax.grad(loss(sharded), (0, 1)))(x, w)
+    for a, b in zip(grads, expected):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    pmapped = jax.pmap(product, in_axes=(0, None))(x[None], w)
+    np.testing.assert_array_equal(pmapped[0], jax.jit(product)(x, w))

@@ -341,7 +341,7 @@ def test_every_road_runs_block_scaled(getkey, road, vmap):
     total = 2 * 32 * (64 * 64 + 64 * 64 + 64 * 32)
     assert report.block_scaled_flops == report.matmul_flops == total
     assert report.flops_by_dtypes == {("float8_e4m3fn", "float8_e4m3fn"): total}
-    assert "block-scaled (MXFP8)" in str(report)
+    assert "block-scaled (MXFP8, NVFP4)" in str(report)
     # The float32 product a CPU runs instead (`with_cpu_form`) is not the program's:
     # it once showed as a matmul with a wide operand.
     assert report.wide_matmuls == () and "wide operand" not in str(report)

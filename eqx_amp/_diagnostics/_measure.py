@@ -22,7 +22,13 @@ from jaxtyping import Array
 
 from .._core._cast import is_floating_dtype
 from .._core._wrapper import warn_once
-from .._fp8 import FP8_SCOPE, MXFP8_SCOPE, is_block_product
+from .._fp8 import (
+    FP8_SCOPE,
+    MXFP8_SCOPE,
+    NVFP4_SCALES_SCOPE,
+    NVFP4_SCOPE,
+    is_block_product,
+)
 from .._jaxpr import _compat as compat
 from .._jaxpr._hook import MATMUL_PRIMITIVES, Frame, Hook, Origin, is_higher_order
 from ._naming import Naming, unique
@@ -56,6 +62,7 @@ class Measure(Hook):
         self.records: list[Measured] = []
         self.scale: Array | None = None  # the last fp8 scale multiplied in
         self.scaled: Any = None  # and the variable it scaled
+        self.scaled_value: Array | None = None  # and the product
 
     def enter_jaxpr(self, frame: Frame) -> "Measure":
         return Measure(self.naming)
@@ -107,10 +114,14 @@ class Measure(Hook):
         in_fp8 = FP8_SCOPE in frame.scopes
         if eqn.primitive in MATMUL_PRIMITIVES:
             self._product(eqn.invars, invals, origins, eqn.outvars, outs, frame)
-        elif eqn.primitive is lax.convert_element_type_p and _narrows(eqn):
+        elif (
+            eqn.primitive is lax.convert_element_type_p
+            and _narrows(eqn)
+            and NVFP4_SCALES_SCOPE not in frame.scopes
+        ):
             self._cast(eqn, invals[0], outs[0], origins[0], frame, in_fp8)
         elif in_fp8 and eqn.primitive is lax.mul_p:
-            self._maybe_scale(eqn, invals)
+            self._maybe_scale(eqn, invals, outs[0])
         return outs
 
     def _record(self, site, var, value, source=None, scale=None) -> None:
@@ -120,7 +131,7 @@ class Measure(Hook):
     def _cast(self, eqn, source, value, origin, frame, in_fp8) -> None:
         naming, invar, outvar = self.naming, eqn.invars[0], eqn.outvars[0]
         dtype = str(value.dtype)
-        scale = self.scale if in_fp8 and jnp.finfo(value.dtype).bits == 8 else None
+        scale = self.scale if in_fp8 and jnp.finfo(value.dtype).bits <= 8 else None
         # The fp8 values are the scaled tensor's, one to one: the layer that reads
         # them reads it, and its other quantisations.
         scaled = None if scale is None else self.scaled
@@ -137,8 +148,13 @@ class Measure(Hook):
         else:
             layer, role = None, ACTIVATION
         site = Site(role, dtype, True, layer, _scaling(scale, frame))
+        if site.scaling == "nvfp4":
+            # Its block scales are rounded up: a value past 6 is float32's
+            # rounding of the product, clipped before the grid, not a saturation.
+            largest = float(jnp.finfo(value.dtype).max)
+            source = jnp.clip(self.scaled_value, -largest, largest)
         self._record(site, invar, value, source, scale)
-        self.scale = self.scaled = None
+        self.scale = self.scaled = self.scaled_value = None
         naming.measured.add(outvar)
         if scaled is not None:
             naming.source[outvar] = scaled
@@ -209,7 +225,7 @@ class Measure(Hook):
             self._maybe_scale(eqn, invals)
         elif eqn.primitive is lax.convert_element_type_p and _narrows(eqn):
             quantised_from = self.scaled
-            self.scale = self.scaled = None
+            self.scale = self.scaled = self.scaled_value = None
         if naming.recompute(eqn):
             return
         (out, *_), ins = eqn.outvars, _vars(eqn.invars)
@@ -238,9 +254,11 @@ class Measure(Hook):
             if layer is not None and origin != Origin.PARAMS:
                 naming.mark_input(var, layer)
 
-    def _maybe_scale(self, eqn, invals) -> None:
+    def _maybe_scale(self, eqn, invals, out: Array | None = None) -> None:
         """fp8 quantisation multiplies a tensor by its float32 scale (smaller,
-        broadcast) right before the cast (`eqx_amp._fp8._quantize`)."""
+        broadcast) right before the cast (`eqx_amp._fp8._quantize`); NVFP4's
+        rounds the product `out` to the e2m1 grid before its cast, which is then
+        exact, so its statistics are read from `out`."""
         a, b = invals
         if (
             getattr(a, "dtype", None) != jnp.float32
@@ -251,14 +269,18 @@ class Measure(Hook):
             tensor, self.scale = (1, a) if np.size(a) < np.size(b) else (0, b)
             scaled = eqn.invars[tensor]
             self.scaled = None if isinstance(scaled, compat.Literal) else scaled
+            self.scaled_value = out
 
 
 def _scaling(scale: Array | None, frame: Frame) -> str | None:
-    """How an fp8 cast was scaled, from the scale multiplied in before it: per block
-    (the quantisation of an MXFP8 product or gathered weight runs in
-    `MXFP8_SCOPE`), per row, or one scale for the tensor."""
+    """How an fp8 (or fp4) cast was scaled, from the scale multiplied in before it:
+    per block (the quantisation of an MXFP8 product or gathered weight runs in
+    `MXFP8_SCOPE`, of an NVFP4 forward product in `NVFP4_SCOPE`), per row, or one
+    scale for the tensor."""
     if scale is None:
         return None
+    if NVFP4_SCOPE in frame.scopes:
+        return "nvfp4"
     if MXFP8_SCOPE in frame.scopes:
         return "mxfp8"
     return "rowwise" if np.size(scale) > 1 else "tensorwise"

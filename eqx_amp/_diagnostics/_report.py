@@ -146,9 +146,10 @@ class PrecisionReport:
         dtypes it reads (`("float8_e4m3fn", "float8_e4m3fn")` forward, e5m2 with
         e4m3 backward) and as low precision. Products whose results nothing uses
         are not counted (they never run).
-    - `block_scaled_flops`: the FLOPs of block-scaled fp8 products
-        (`eqx_amp.fp8.MXFP8`), which count in `flops_by_dtypes` under
-        `("float8_e4m3fn", "float8_e4m3fn")` too.
+    - `block_scaled_flops`: the FLOPs of block-scaled products
+        (`eqx_amp.fp8.MXFP8`, `eqx_amp.fp8.NVFP4`), which count in
+        `flops_by_dtypes` under `("float8_e4m3fn", "float8_e4m3fn")` (NVFP4's
+        forward products: `("float4_e2m1fn", "float4_e2m1fn")`) too.
     - `advice`: where less than half of the matmul FLOPs of a mixed-precision
         model run in low precision (those on parameters the filter spec keeps
         aside), what to change: the largest wide matmul, what made its wide
@@ -184,7 +185,7 @@ class PrecisionReport:
         ]
         if self.block_scaled_flops:
             lines.append(
-                "block-scaled (MXFP8) matmul FLOPs: "
+                "block-scaled (MXFP8, NVFP4) matmul FLOPs: "
                 f"{self.block_scaled_flops / max(self.matmul_flops, 1):.1%} "
                 f"({self.block_scaled_flops:,})"
             )

@@ -34,7 +34,7 @@ class Site:
     dtype: str
     at_cast: bool
     layer: Path | None = None
-    scaling: str | None = None  # an fp8 cast's: "tensorwise", "rowwise", "mxfp8"
+    scaling: str | None = None  # "tensorwise", "rowwise", "mxfp8", "nvfp4"
 
 
 class Measured(eqx.Module):

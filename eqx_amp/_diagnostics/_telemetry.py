@@ -57,10 +57,11 @@ class TensorStats(eqx.Module):
     it is smaller): a fraction `p` estimated from `n` values is off by about
     `sqrt(p (1 - p) / n)`, under 0.8 percentage points for one tensor. `scale` is
     the fp8 scale used (the smallest, for rowwise and block scales), or None outside
-    fp8, and `scaling` how the fp8 cast was scaled: `"tensorwise"`, `"rowwise"`, or
+    fp8, and `scaling` how the fp8 cast was scaled: `"tensorwise"`, `"rowwise"`,
     `"mxfp8"` (one power-of-two scale per block of 32 values, where `underflow` and
     `overflow` count the values each block's own scale flushes or saturates; an
-    outlier flushes the small values of its block only). Under `shard_map` a tensor that
+    outlier flushes the small values of its block only), or `"nvfp4"` (NVFP4's
+    forward casts to `float4_e2m1fn`, per block of 16). Under `shard_map` a tensor that
     differs from device to device (a batch shard) is counted on each device, one
     that is the same on every device (a replicated weight) once; with
     `check_vma=False` (and under `pmap`) JAX does not say which, and every device's
@@ -109,7 +110,7 @@ class TensorRow(NamedTuple):
     overflow: float | None
     nonfinite: float
     scale: float | None
-    scaling: str | None = None  # fp8 casts: "tensorwise", "rowwise" or "mxfp8"
+    scaling: str | None = None  # "tensorwise", "rowwise", "mxfp8" or "nvfp4"
 
     def severity(self) -> tuple[float, ...]:
         """Worst first: non-finite values, then overflow, then underflow."""

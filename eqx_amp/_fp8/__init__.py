@@ -14,7 +14,9 @@ written here, and differentiating it again is refused.
 
 `MXFP8` products are block-scaled instead: e4m3 values and gradients with one
 power-of-two scale per 32 values along each product's contracting dimension,
-applied inside the GEMM (`_block_scaled`).
+applied inside the GEMM (`_block_scaled`); `NVFP4` ones quantise the forward
+operands to 4 bits with an e4m3 scale per 16 values and one per tensor (`_nvfp4`),
+their backward products are MXFP8.
 
 The layers: `_scaling` (scales from amaxes), `_products` (the fp8 matmul and
 convolution with their derivative rules), `_block_scaled` (the MXFP8 matmul and its
@@ -26,6 +28,8 @@ from ._block_scaled import MXFP8_SCOPE as MXFP8_SCOPE
 from ._block_scaled import block_scaled_flops as block_scaled_flops
 from ._block_scaled import is_block_product as is_block_product
 from ._dot_general import dot_general as dot_general
+from ._nvfp4 import NVFP4_SCALES_SCOPE as NVFP4_SCALES_SCOPE
+from ._nvfp4 import NVFP4_SCOPE as NVFP4_SCOPE
 from ._products import FP8_SCOPE as FP8_SCOPE
 from ._products import FP8_SKIPPED_SCOPE as FP8_SKIPPED_SCOPE
 from ._products import holding_fp8_values as holding_fp8_values
@@ -33,6 +37,7 @@ from ._products import known_fp8 as known_fp8
 from ._products import remember_fp8 as remember_fp8
 from ._rules import FP8_PRIMITIVES as FP8_PRIMITIVES
 from ._rules import MXFP8 as MXFP8
+from ._rules import NVFP4 as NVFP4
 from ._rules import ROWWISE as ROWWISE
 from ._rules import TENSORWISE as TENSORWISE
 from ._rules import Fp8Rule as Fp8Rule

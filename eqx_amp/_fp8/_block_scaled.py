@@ -34,8 +34,9 @@ from jaxtyping import Array
 
 from .._core._platform import with_cpu_form
 from .._jaxpr import _compat as compat
+from ._nvfp4 import NVFP4_SCOPE, nv_quantize
 from ._products import FP8_SCOPE
-from ._scaling import E4M3
+from ._scaling import E4M3, unscale
 from ._shapes import BLOCK, free_axes
 
 
@@ -117,9 +118,10 @@ def mx_dequantize(values: Array, scales: Array, dtype: Any) -> Array:
 
 
 def _in_float32(values: Array, scales: Array) -> Array:
-    """MXFP8 values times their scales (one per 32 along the last axis), in
-    float32."""
-    blocks = values.astype(jnp.float32).reshape(*values.shape[:-1], -1, BLOCK)
+    """Block-scaled values times their scales (one per block along the last axis:
+    32 values for MXFP8, 16 for NVFP4), in float32 (exact)."""
+    block = values.shape[-1] // scales.shape[-1]
+    blocks = values.astype(jnp.float32).reshape(*values.shape[:-1], -1, block)
     return (blocks * scales.astype(jnp.float32)[..., None]).reshape(values.shape)
 
 
@@ -160,7 +162,8 @@ def _cpu_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
 
 
 def block_product(lhs, rhs, lhs_scales, rhs_scales, dtype) -> Array:
-    """`(B, M, K) x (B, N, K) -> (B, M, N)` of MXFP8 operands, the scales applied in
+    """`(B, M, K) x (B, N, K) -> (B, M, N)` of block-scaled operands (MXFP8, or
+    NVFP4's values and block scales), the scales applied in
     the GEMM, accumulated in float32 and returned in `dtype`: cuDNN's block-scaled
     GEMM through `jax.nn.scaled_matmul` when compiled for CUDA, a dequantising dot
     for any other platform (`lax.scaled_dot`; on a CPU, float32 operands), chosen
@@ -241,9 +244,12 @@ def _first_order_only_jvp(primals, tangents):
     raise NotImplementedError(_HIGHER_ORDER)
 
 
-def mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
+def block_scaled_matmul(
+    dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, nvfp4_forward=False
+):
     """The MXFP8 matmul `dot_general(lhs, rhs, dims)` of operands of `shapes` for
-    one set of static arguments, with its derivative rule: returned in
+    one set of static arguments, with its derivative rule (with `nvfp4_forward`,
+    the forward product is NVFP4's and the backward ones MXFP8): returned in
     `out_dtype`; the backward products emit `grad_dtype` (their scales are applied
     inside them, so any floating dtype of 16 bits or more has their range) and the
     gradients come back in the operands' dtypes. Called as `matmul(lhs, rhs,
@@ -256,6 +262,9 @@ def mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
 
     def product(lhs3, rhs3, known):
         known_lhs, known_rhs = known
+        if nvfp4_forward:
+            out3 = nv_product(lhs3, rhs3, out_dtype)
+            return out3.reshape(_output_shape(lhs_shape, rhs_shape, dims))
         out3 = block_product(
             *_operands(
                 mx_quantize(lhs3) if known_lhs is None else _known_3d(known_lhs),
@@ -304,6 +313,19 @@ def mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
 
     matmul.defvjp(forward, backward)
     return matmul
+
+
+def nv_product(lhs3: Array, rhs3: Array, out_dtype) -> Array:
+    """`(B, M, K) x (B, N, K) -> (B, M, N)` with both operands in NVFP4 along `K`
+    (`nv_quantize`): the block scales applied in the GEMM (`block_product`), the
+    two tensor scales to its float32 output, returned in `out_dtype`."""
+    with jax.named_scope(NVFP4_SCOPE):
+        lhs, lhs_scales, lhs_tensor_scale = nv_quantize(lhs3)
+        rhs, rhs_scales, rhs_tensor_scale = nv_quantize(rhs3)
+    out = block_product(lhs, rhs, lhs_scales, rhs_scales, jnp.float32)
+    return unscale(out, 1.0 / lhs_tensor_scale, 1.0 / rhs_tensor_scale).astype(
+        out_dtype
+    )
 
 
 def _operands(lhs: tuple[Array, Array], rhs: tuple[Array, Array]):

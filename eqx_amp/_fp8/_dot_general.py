@@ -46,11 +46,17 @@ def dot_general(
     32 is padded with zeros. An inf or NaN makes only the outputs that read its
     block non-finite.
 
+    With `scaling="nvfp4"` the forward product is NVFP4: each operand's values in
+    `float4_e2m1fn` with an e4m3 scale per 16 along the contracting axes and a
+    power-of-two float32 scale for the tensor (the contracting size must be a
+    multiple of 16); its backward products are MXFP8's. A block whose scale falls
+    below e4m3's range (2**-17 of the largest block's) is flushed to zero.
+
     **Arguments:**
 
     - `lhs`, `rhs`, `dimension_numbers`: as for `jax.lax.dot_general`.
-    - `scaling`: `"tensorwise"` (one scale per operand), `"rowwise"` or `"mxfp8"`
-        (one per 32 values along the contracting axes).
+    - `scaling`: `"tensorwise"` (one scale per operand), `"rowwise"`, `"mxfp8"`
+        (one per 32 values along the contracting axes) or `"nvfp4"`.
     - `out_dtype`: the output (and backward compute) dtype, a floating dtype of 16
         bits or more or one of the package's words (`"bf16"`); `None` means the
         wider of the operands' dtypes (bfloat16 for bfloat16 operands).
@@ -68,7 +74,7 @@ def dot_general(
     if scaling not in SCALINGS:
         raise ValueError(
             "`scaling` must be 'tensorwise' or 'rowwise', or 'mxfp8' for block "
-            f"scales, not {scaling!r}."
+            f"scales ('nvfp4' for a 4-bit forward product), not {scaling!r}."
         )
     for name, operand in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(jnp.result_type(operand), jnp.floating):

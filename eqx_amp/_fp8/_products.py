@@ -479,3 +479,18 @@ def fp8_conv(params: dict, out_dtype, lhs_dtype, rhs_dtype):
 
     conv.defvjp(forward, backward)
     return conv
+
+
+def varying_alike(*operands: Array) -> tuple[Array, ...]:
+    """`operands` each typed as varying over every `jax.shard_map` axis one of them
+    varies over. `lax.dot_general` makes that cast itself (its transpose sums the
+    gradient of a replicated operand over those axes); an fp8 product's derivative
+    rule must be given operands cast alike, or its gradient for a replicated
+    operand would be typed as varying."""
+    axes = frozenset().union(*map(compat.varying_axes, operands))
+
+    def cast(x: Array) -> Array:
+        missing = tuple(sorted(axes - compat.varying_axes(x), key=str))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return tuple(map(cast, operands))

@@ -1,5 +1,5 @@
 """Where fp8 products run: the fp8 rules (`eqx_amp.fp8.TENSORWISE`, `ROWWISE`,
-`MXFP8`) and the hooks that rebind a program's matmuls and convolutions as fp8 ones
+`MXFP8`, `NVFP4`) and the hooks that rebind a program's matmuls and convolutions as fp8 ones
 (their shapes permitting: `_shapes`)."""
 
 import contextlib
@@ -19,7 +19,7 @@ from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import batched_like, evaluate_function
 from .._jaxpr._hook import Hook, Origin
 from .._jaxpr._outer_vmap import batched_after_tracing
-from ._block_scaled import mxfp8_matmul
+from ._block_scaled import block_scaled_matmul
 from ._delayed import current_supply, delayed_matmul
 from ._products import (
     FP8_SKIPPED_SCOPE,
@@ -29,21 +29,24 @@ from ._products import (
     known_block_scaled,
     known_fp8,
     remember_fp8,
+    varying_alike,
 )
 from ._scaling import E4M3, scale_from_amax
 from ._shapes import (
     BLOCK,
     FP8_MULTIPLE,
+    NV_BLOCK,
     fp8_conv_eligible,
     fp8_cost_reason,
-    fp8_eligible,
-    mxfp8_eligible,
+    ineligible,
 )
 from ._weights import GatheredInFp8, quantize_weight, whole_amaxes
 
 
-Scaling = Literal["tensorwise", "rowwise", "mxfp8"]
-SCALINGS = ("tensorwise", "rowwise", "mxfp8")
+Scaling = Literal["tensorwise", "rowwise", "mxfp8", "nvfp4"]
+SCALINGS = ("tensorwise", "rowwise", "mxfp8", "nvfp4")
+# The scalings whose scales are per block, applied inside the GEMM.
+BLOCK_SCALINGS = frozenset({"mxfp8", "nvfp4"})
 
 
 class Fp8Rule(GatheredInFp8):
@@ -60,7 +63,11 @@ class Fp8Rule(GatheredInFp8):
     `eqx_amp.fp8.MXFP8` runs matmuls block-scaled (MXFP8: e4m3 values with a
     power-of-two scale per 32 along each product's contracting dimension, applied
     inside the GEMM: cuDNN's on Blackwell), those whose contracting size is a
-    multiple of 32; its convolutions are tensorwise fp8 ones."""
+    multiple of 32; its convolutions are tensorwise fp8 ones. `eqx_amp.fp8.NVFP4`
+    runs the forward matmuls in NVFP4 (e2m1 values, an e4m3 scale per 16 along the
+    contracting dimension and a float32 one per tensor), those whose contracting
+    size is a multiple of 16, and their backward products in MXFP8; convolutions
+    as `MXFP8` does."""
 
     def __init__(
         self,
@@ -76,7 +83,7 @@ class Fp8Rule(GatheredInFp8):
         self.pays_only = where_it_pays
         # What an fp8 GEMM needs every dimension (an MXFP8 one: the contracting
         # one) to be a multiple of.
-        self.multiple = BLOCK if scaling == "mxfp8" else FP8_MULTIPLE
+        self.multiple = {"mxfp8": BLOCK, "nvfp4": NV_BLOCK}.get(scaling, FP8_MULTIPLE)
         # Under `autocast`: also the products that read no parameter (attention's
         # scores and its probabilities times values), whose operands are quantised
         # at every call: at a GPT-2-small size on an H100 that costs more than the
@@ -185,11 +192,17 @@ class Fp8Rule(GatheredInFp8):
 TENSORWISE = Fp8Rule("TENSORWISE", "tensorwise")
 ROWWISE = Fp8Rule("ROWWISE", "rowwise")
 MXFP8 = Fp8Rule("MXFP8", "mxfp8")
+NVFP4 = Fp8Rule("NVFP4", "nvfp4")
 
 
 def _variant(name: str, activation_products: bool, pays_only: bool) -> Fp8Rule:
     """The rule `name` with its options (how such a rule unpickles)."""
-    rules = {"TENSORWISE": TENSORWISE, "ROWWISE": ROWWISE, "MXFP8": MXFP8}
+    rules = {
+        "TENSORWISE": TENSORWISE,
+        "ROWWISE": ROWWISE,
+        "MXFP8": MXFP8,
+        "NVFP4": NVFP4,
+    }
     rule = rules[name]
     rule = rule.with_activation_products() if activation_products else rule
     return rule.where_it_pays() if pays_only else rule
@@ -215,7 +228,8 @@ def conv_in_fp8(lhs, rhs, params: dict, out_dtype, only_eligible: bool) -> Array
             )
     lhs_dtype, rhs_dtype = jnp.result_type(lhs), jnp.result_type(rhs)
     known = (known_fp8(lhs), known_fp8(rhs))
-    return fp8_conv(params, out_dtype, lhs_dtype, rhs_dtype)(lhs, rhs, known)
+    conv = fp8_conv(params, out_dtype, lhs_dtype, rhs_dtype)
+    return conv(*varying_alike(lhs, rhs), known)
 
 
 class _Fp8Dots(Hook):
@@ -300,9 +314,10 @@ def matmul_in_fp8(
             grad_dtype,
             pays_only,
         )(lhs, rhs)
-    eligible = mxfp8_eligible if scaling == "mxfp8" else fp8_eligible
-    reason = eligible(lhs.shape, rhs.shape, dims) if only_eligible else None
-    if reason is None and scaling == "mxfp8" and _PER_EXAMPLE.get():
+    reason = None
+    if only_eligible:
+        reason = ineligible(scaling, lhs.shape, rhs.shape, dims)
+    if reason is None and scaling in BLOCK_SCALINGS and _PER_EXAMPLE.get():
         reason = _PER_EXAMPLE_REASON
     if reason is None and only_eligible and pays_only:
         reason = fp8_cost_reason(lhs.shape, rhs.shape, dims)
@@ -310,20 +325,30 @@ def matmul_in_fp8(
         with jax.named_scope(f"{FP8_SKIPPED_SCOPE}: {reason or 'an empty product'}"):
             return lax.dot_general(lhs.astype(out_dtype), rhs.astype(out_dtype), dims)
     lhs_dtype, rhs_dtype = jnp.result_type(lhs), jnp.result_type(rhs)
-    if scaling == "mxfp8":
-        shapes = (lhs.shape, rhs.shape)
-        matmul = mxfp8_matmul(dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype)
-        return matmul(lhs, rhs, _known_blocks(lhs, rhs, dims))
     supply = current_supply()
     if supply is not None and scaling == "tensorwise":
+        lhs, rhs = varying_alike(lhs, rhs)
         return delayed_matmul(
             supply, lhs, rhs, dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype
         )
-    matmul = fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype, grad_dtype)
-    known = (None, None)
-    if scaling == "tensorwise":
-        known = (known_fp8(lhs), known_fp8(rhs))
-    return matmul(lhs, rhs, known)
+    if scaling in BLOCK_SCALINGS:
+        nvfp4 = scaling == "nvfp4"
+        matmul = block_scaled_matmul(
+            dims,
+            (lhs.shape, rhs.shape),
+            out_dtype,
+            lhs_dtype,
+            rhs_dtype,
+            grad_dtype,
+            nvfp4_forward=nvfp4,
+        )
+        known = (None, None) if nvfp4 else _known_blocks(lhs, rhs, dims)
+    else:
+        matmul = fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype, grad_dtype)
+        known = (None, None)
+        if scaling == "tensorwise":
+            known = (known_fp8(lhs), known_fp8(rhs))
+    return matmul(*varying_alike(lhs, rhs), known)
 
 
 def _known_blocks(lhs, rhs, dims) -> tuple:
@@ -410,7 +435,7 @@ _TRACED_PER_EXAMPLE = (
     "The matmuls inside this `{name}` cannot run in fp8: a `jax.vmap` applied outside "
     "`filter_amp`/`autocast`/`BiModel` batches its body after eqx_amp has traced it, "
     "one example at a time, and one example's matmul (a matrix times a vector) is "
-    "not a shape an fp8 GEMM takes, nor can JAX batch a block-scaled (MXFP8) one; "
+    "not a shape an fp8 GEMM takes, nor can JAX batch a block-scaled (MXFP8, NVFP4) one; "
     "they run in the compute dtype (`precision_report` lists them). Apply the "
     "wrapper outside the vmap: `eqx_amp.filter_amp(eqx.filter_vmap(model), "
     "fp8=...)(x)`."
@@ -427,7 +452,7 @@ _PER_EXAMPLE_REASON = (
 def traced_per_example(eqn: Any) -> Iterator[None]:
     """The context to evaluate the body of `eqn` in, a higher-order primitive that a
     `jax.vmap` outside the wrapper batches after it is traced
-    (`batched_after_tracing`): it says so, and keeps the body's MXFP8 products in
+    (`batched_after_tracing`): it says so, and keeps the body's block-scaled products in
     the compute dtype (JAX's block-scaled product does not batch an operand whose
     batch it was not traced with).
 

@@ -10,6 +10,8 @@ import numpy as np
 FP8_MULTIPLE = 16
 # MXFP8: values per scale, along the contracting dimension.
 BLOCK = 32
+# NVFP4's block: values per e4m3 block scale along the contracting dimension.
+NV_BLOCK = 16
 
 
 def free_axes(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> list[int]:
@@ -95,15 +97,27 @@ def fp8_cost_reason(lhs_shape, rhs_shape, dims) -> str | None:
     )
 
 
-def mxfp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:
-    """Why a matmul of these shapes cannot run as an MXFP8 GEMM, or `None` if it
-    can: its contracting size must be a multiple of the block size, 32 (the
-    backward products' contracting sizes, the forward's free ones, are padded)."""
+def block_scaled_eligible(
+    lhs_shape, rhs_shape, dims, block: int = BLOCK, format: str = "MXFP8"
+) -> str | None:
+    """Why a matmul of these shapes cannot run as a block-scaled GEMM of `format`
+    with blocks of `block` values, or `None` if it can: its contracting size must
+    be a multiple of the block (the backward products' contracting sizes, the
+    forward's free ones, are padded)."""
     (lc, _), _ = dims
     contracting = int(np.prod([lhs_shape[i] for i in lc], dtype=np.int64))
-    if contracting % BLOCK:
+    if contracting % block:
         return (
-            f"contracting size {contracting} not a multiple of the MXFP8 block "
-            f"size {BLOCK}"
+            f"contracting size {contracting} not a multiple of the {format} block "
+            f"size {block}"
         )
     return None
+
+
+def ineligible(scaling: str, lhs_shape, rhs_shape, dims) -> str | None:
+    """Why no GEMM of `scaling` takes a matmul of these shapes; None if one does."""
+    if scaling == "mxfp8":
+        return block_scaled_eligible(lhs_shape, rhs_shape, dims)
+    if scaling == "nvfp4":
+        return block_scaled_eligible(lhs_shape, rhs_shape, dims, NV_BLOCK, "NVFP4")
+    return fp8_eligible(lhs_shape, rhs_shape, dims)

@@ -50,10 +50,15 @@ class GatheredInFp8:
     multiple: int
 
     def check_gather(self, compute_dtype: np.dtype) -> None:
-        if self.scaling == "rowwise":
+        why = {
+            "rowwise": "rowwise products quantise each weight along the rows of "
+            "each product",
+            "nvfp4": "NVFP4's forward products quantise each weight with a scale "
+            "for the whole tensor and its backward products in MXFP8",
+        }.get(self.scaling)
+        if why is not None:
             raise TypeError(
-                f"`gather_params(..., fp8={self!r})`: rowwise products quantise each "
-                "weight along the rows of each product, which one gathered form "
+                f"`gather_params(..., fp8={self!r})`: {why}, which one gathered form "
                 "would not give; pass `eqx_amp.fp8.TENSORWISE` or "
                 "`eqx_amp.fp8.MXFP8`, or leave `fp8` out to gather in the compute "
                 "dtype."
