@@ -356,7 +356,7 @@ class Device:
     taken to reach."""
 
     name: str
-    peak_flops: dict[str, float]  # by the dtype a GEMM reads: "fp8", "bf16", "f32"
+    peak_flops: dict[str, float]  # by what a GEMM reads: "fp4", "fp8", "bf16", "f32"
     bandwidth: float  # bytes per second
     gemm_efficiency: float = 0.7
     memory_efficiency: float = 0.8
@@ -366,8 +366,12 @@ class Device:
 H100_SXM = Device(
     "H100 SXM", {"fp8": 1979e12, "bf16": 989e12, "f32": 67e12}, bandwidth=3.35e12
 )
-# Dense peaks; fp8 (MXFP8 included) twice bf16; f32 by CUDA cores.
-B200 = Device("B200", {"fp8": 4500e12, "bf16": 2250e12, "f32": 80e12}, bandwidth=8e12)
+# Dense peaks; fp8 (MXFP8 included) twice bf16, NVFP4 twice fp8; f32 by CUDA cores.
+B200 = Device(
+    "B200",
+    {"fp4": 9000e12, "fp8": 4500e12, "bf16": 2250e12, "f32": 80e12},
+    bandwidth=8e12,
+)
 # cuDNN's block-scaled GEMM (`jax.nn.scaled_matmul`): `(B, M, K) x (B, N, K)`.
 BLOCK_SCALED_DOT = "__cudnn$blockScaledDot"
 # The kinds of kernel a roofline tells apart, besides GEMMs.
@@ -524,7 +528,9 @@ def roofline(text: str, device: Device = H100_SXM) -> dict:
         if "cublas" in target or target.startswith("__cudnn$conv") or block_scaled:
             reads = _operand_dtypes(module, inst, 1)
             dtype = (
-                "fp8"
+                "fp4"
+                if reads and reads[0] == "f4e2m1fn"
+                else "fp8"
                 if reads and reads[0] in FP8_TYPES
                 else "bf16"
                 if reads and reads[0] in ("bf16", "f16")
@@ -534,7 +540,9 @@ def roofline(text: str, device: Device = H100_SXM) -> dict:
             work = _gemm_flops(module, inst) if gemm else 0.0
             flops[dtype] += work
             gemm_bytes += nbytes
-            peak = device.peak_flops[dtype] * device.gemm_efficiency
+            # A GPU with no fp4 GEMM (an H100) could not run one: its CUDA cores.
+            peak = device.peak_flops.get(dtype, device.peak_flops["f32"])
+            peak *= device.gemm_efficiency
             gemm_time_s += max(work / peak, memory_s)
             time_s += max(work / peak, memory_s)
         else:

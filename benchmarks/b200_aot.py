@@ -133,7 +133,7 @@ def markdown(results: dict) -> str:
             f"### {model}: compiled for a B200 (cuDNN 9.10)",
             "",
             "| variant | products | blockScaledDot fwd / bwd / not | "
-            f"GEMM TFLOP (fp8 / bf16 / f32) | {kinds} | kernels | ms | ×hand | "
+            f"GEMM TFLOP (fp4 / fp8 / bf16 / f32) | {kinds} | kernels | ms | ×hand | "
             "ms +launches | ×hand | ideal ×hand | saved MiB | saved ×hand |",
             "|---|---|---|---|" + "---:|" * (len(_gpu_hlo.NON_GEMM_KINDS) + 8),
         ]
@@ -142,7 +142,7 @@ def markdown(results: dict) -> str:
             base = hand["roofline"] if hand else None
             flops = " / ".join(
                 f"{roof['gemm_flops'].get(d, 0) / 1e12:.2f}"
-                for d in ("fp8", "bf16", "f32")
+                for d in ("fp4", "fp8", "bf16", "f32")
             )
             cells = [
                 f"{roof['non_gemm_bytes'][k] / 1e9:.2f}"

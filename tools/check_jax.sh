@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 usage() {
     cat <<'USAGE'
-usage: bash tools/check_jax.sh [VERSION|newest] [PYTEST_ARGS...]
+usage: bash tools/check_jax.sh [VERSION|newest] [--install-only|--reuse] [PYTEST_ARGS...]
 
 Builds .venv-jax-VERSION with that jax release (default: newest, the newest the
 package index has) and the project's test extras, on a Python >= 3.12 from this
@@ -16,6 +16,8 @@ arguments say otherwise, e.g. `-m slow`).
   bash tools/check_jax.sh               # the newest jax, fast tier
   bash tools/check_jax.sh 0.11.2        # one release
   bash tools/check_jax.sh newest -m ""  # the newest jax, both tiers
+  bash tools/check_jax.sh newest --install-only  # build the environment only
+  bash tools/check_jax.sh newest --reuse -n auto # test in the one built before
 
 Python: the first of $PYTHON, python3.13, python3.12 and pyenv's 3.13/3.12 installs
 that is >= 3.12 (jax 0.11 and later need it). If there is none, this says so and
@@ -31,6 +33,17 @@ case "$version" in
     ;;
 esac
 [[ $# -gt 0 ]] && shift
+mode=test
+case "${1:-}" in
+--install-only)
+    mode=install
+    shift
+    ;;
+--reuse)
+    mode=reuse
+    shift
+    ;;
+esac
 if [[ "$version" != newest && ! "$version" =~ ^[0-9]+(\.[0-9]+){1,3}([a-z]+[0-9]*)?$ ]]; then
     echo "check_jax: '$version' is not a jax version (expected e.g. 0.12.0, or newest; --help for usage)" >&2
     exit 2
@@ -59,20 +72,23 @@ if [[ -z "$python" ]]; then
 fi
 
 venv=".venv-jax-${version}"
-rm -rf "$venv"
-"$python" -m venv "$venv"
-pins=()
-[[ "$version" != newest ]] && pins=("jax==${version}")
-log="$venv/pip.log"
-if ! "$venv/bin/pip" install -q -e ".[test,examples,docs,flax,orbax]" "${pins[@]}" >"$log" 2>&1; then
-    if grep -q "No matching distribution" "$log"; then
-        echo "check_jax: jax ${version} is not on the package index for Python" \
-            "$("$python" -c 'import sys; print(sys.version.split()[0])') (pip's log: $log)" >&2
-    else
-        echo "check_jax: installing jax ${version} failed (pip's log: $log)" >&2
+if [[ "$mode" != reuse || ! -x "$venv/bin/python" ]]; then
+    rm -rf "$venv"
+    "$python" -m venv "$venv"
+    pins=()
+    [[ "$version" != newest ]] && pins=("jax==${version}")
+    log="$venv/pip.log"
+    if ! "$venv/bin/pip" install -q -e ".[test,examples,docs,flax,orbax]" "${pins[@]}" >"$log" 2>&1; then
+        if grep -q "No matching distribution" "$log"; then
+            echo "check_jax: jax ${version} is not on the package index for Python" \
+                "$("$python" -c 'import sys; print(sys.version.split()[0])') (pip's log: $log)" >&2
+        else
+            echo "check_jax: installing jax ${version} failed (pip's log: $log)" >&2
+        fi
+        exit 2
     fi
-    exit 2
 fi
+[[ "$mode" == install ]] && exit 0
 "$venv/bin/python" - <<'PY'
 import sys, jax
 print(f"check_jax: testing jax {jax.__version__} on Python {sys.version.split()[0]}")
