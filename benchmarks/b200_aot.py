@@ -1,4 +1,4 @@
-"""MXFP8 training steps compiled for a B200 on a machine without a GPU.
+"""MXFP8 and NVFP4 training steps compiled for a B200 on a machine without a GPU.
 
     pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
     python benchmarks/run.py --preset b200-aot                  # GPT and Llama, CPU sizes
@@ -15,10 +15,12 @@ dequantise fusion and a float32 GEMM. Every step is compiled with Triton GEMMs o
 (`xla_gpu_enable_triton_gemm=False`: the other GEMMs are cuBLAS calls), and checked:
 every product eqx_amp made an MXFP8 one (under its `eqx_amp.fp8` scope) is
 `__cudnn$blockScaledDot`, the forward ones and the backward ones (under
-`transpose(...)`), one forward and two backward per MXFP8 matmul.
+`transpose(...)`), one forward and two backward per MXFP8 matmul; an NVFP4 one's
+forward product reads e2m1 operands (`fp4_products`), its backward ones MXFP8.
 
 For each step: the products by kind, the roofline on a B200 (`_gpu_hlo.roofline`
-with `_gpu_hlo.B200`: bf16 2250, fp8 4500 TFLOP/s dense at 70%, 8 TB/s at 80%) beside
+with `_gpu_hlo.B200`: bf16 2250, fp8 4500, fp4 9000 TFLOP/s dense at 70%, 8 TB/s at
+80%) beside
 the hand-cast bfloat16 step's, and the bytes of forward values saved for the
 backward pass beside bfloat16's (`jax.vjp`'s residuals, as `run.py` counts them).
 Exit status 1 if an MXFP8 product is not a cuDNN block-scaled GEMM.
@@ -37,9 +39,11 @@ from h100_aot import deviceless_devices, plugin_missing
 
 TARGET = pathlib.Path(__file__).resolve().parent / "b200.txtpb"
 NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
-# The bfloat16 baselines, every MXFP8 road, and tensorwise fp8 for comparison.
+# The bfloat16 baselines, every MXFP8 road, NVFP4 forward products, and tensorwise
+# fp8 for comparison.
 VARIANTS = (
-    "hand_bf16", "autocast_mxfp8", "filter_amp_mxfp8", "bimodel_mxfp8", "autocast_fp8",
+    "hand_bf16", "autocast_mxfp8", "filter_amp_mxfp8", "bimodel_mxfp8",
+    "filter_amp_nvfp4", "autocast_fp8",
 )  # fmt: skip
 _BACKWARD = re.compile(r"transpose\(")
 

@@ -6,7 +6,7 @@ against float32, a hand-cast bfloat16 model and the peer libraries.
     python benchmarks/run.py --preset sharded        # collectives of FSDP/TP steps
     python benchmarks/run.py --preset state          # training-state bytes, update cost
     python benchmarks/run.py --preset h100-aot       # compiled for an H100, no GPU needed
-    python benchmarks/run.py --preset b200-aot       # MXFP8 steps compiled for a B200
+    python benchmarks/run.py --preset b200-aot       # MXFP8, NVFP4 steps compiled for a B200
     python benchmarks/run.py --models gpt --variants fp32,hand_bf16,filter_amp_bf16
     python benchmarks/run.py --json results.json --markdown table.md
 

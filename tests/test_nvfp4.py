@@ -39,13 +39,14 @@ NVFP4 = eqx_amp.fp8.NVFP4
 
 def _nvfp4(x: np.ndarray) -> np.ndarray:
     """NumPy NVFP4 of `x (rows, k)` along its last axis, dequantised in float64:
-    a power-of-two tensor scale `s` (the finite amax times `s` in (896, 1792]),
+    a power-of-two tensor scale `s` (the largest finite block amax times `s` in
+    (896, 1792]),
     each block of 16's scale its amax times `s` over 6 (in float32) rounded up to
     an e4m3 value, values (times `s` over the scale, in float32) rounded to
     nearest e2m1."""
     x = np.asarray(x, np.float32)
-    finite = np.where(np.isfinite(x), np.abs(x), 0.0)
-    amax = float(finite.max(initial=0.0))
+    block_amax = np.abs(x.reshape(x.shape[0], -1, 16)).max(-1)
+    amax = float(np.where(np.isfinite(block_amax), block_amax, 0.0).max(initial=0.0))
     s = 2.0 ** np.floor(np.log2(448.0 / max(amax, 448.0 / 2.0**126)))
     s = np.float32(min(s, 2.0**124) * 4)
     blocks = x.reshape(x.shape[0], -1, 16)
@@ -235,6 +236,10 @@ def test_bfloat16_in_and_out_and_bad_operands(getkey):
     w = jr.normal(getkey(), (64, 32), jnp.bfloat16)
     y = eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="nvfp4")
     assert y.dtype == jnp.bfloat16
+    # The GEMM writes its still-scaled sums in bfloat16 (the tensor scales are
+    # powers of two): the numbers of rounding the float32 product after.
+    wide = eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="nvfp4", out_dtype="f32")
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(wide.astype(jnp.bfloat16)))
     dx, dw = jax.jit(
         jax.grad(
             lambda x, w: jnp.sum(

@@ -318,14 +318,18 @@ def block_scaled_matmul(
 def nv_product(lhs3: Array, rhs3: Array, out_dtype) -> Array:
     """`(B, M, K) x (B, N, K) -> (B, M, N)` with both operands in NVFP4 along `K`
     (`nv_quantize`): the block scales applied in the GEMM (`block_product`), the
-    two tensor scales to its float32 output, returned in `out_dtype`."""
+    two tensor scales to its output after, returned in `out_dtype`. The tensor
+    scales are powers of two, so a bfloat16 product's GEMM writes its still-scaled
+    sums in bfloat16 (half a float32 output's bytes; the numbers rounding after
+    unscaling gives); a float16 one writes float32, whose range they need."""
     with jax.named_scope(NVFP4_SCOPE):
         lhs, lhs_scales, lhs_tensor_scale = nv_quantize(lhs3)
         rhs, rhs_scales, rhs_tensor_scale = nv_quantize(rhs3)
-    out = block_product(lhs, rhs, lhs_scales, rhs_scales, jnp.float32)
-    return unscale(out, 1.0 / lhs_tensor_scale, 1.0 / rhs_tensor_scale).astype(
-        out_dtype
-    )
+    bfloat16 = jnp.dtype(out_dtype) == jnp.bfloat16
+    emit = jnp.bfloat16 if bfloat16 else jnp.float32
+    out = block_product(lhs, rhs, lhs_scales, rhs_scales, emit).astype(jnp.float32)
+    inverses = (1.0 / lhs_tensor_scale, 1.0 / rhs_tensor_scale)
+    return unscale(out, *inverses).astype(out_dtype)
 
 
 def _operands(lhs: tuple[Array, Array], rhs: tuple[Array, Array]):

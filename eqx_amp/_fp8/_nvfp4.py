@@ -53,11 +53,14 @@ def nv_quantize(x3: Array) -> tuple[Array, Array, Array]:
     are to be divided by."""
     b, r, c = x3.shape
     x = x3.astype(jnp.float32).reshape(b, r, c // NV_BLOCK, NV_BLOCK)
-    amax = finite_amax(x, (0, 1, 2, 3)).reshape(())
+    block_amax = lax.stop_gradient(jnp.max(jnp.abs(x), axis=-1, keepdims=True))
+    # The tensor's amax from its blocks' (one pass over the tensor, not two): the
+    # largest of the finite ones. A block holding an inf or NaN has a NaN scale
+    # whatever the tensor's is.
+    amax = finite_amax(block_amax, (0, 1, 2, 3)).reshape(())
     headroom = _MAX_TENSOR_SCALE / _TENSOR_HEADROOM
     tensor_scale = jnp.minimum(scale_from_amax(amax, E4M3), headroom) * _TENSOR_HEADROOM
     tensor_scale = lax.stop_gradient(tensor_scale)
-    block_amax = lax.stop_gradient(jnp.max(jnp.abs(x), axis=-1, keepdims=True))
     with jax.named_scope(NVFP4_SCALES_SCOPE):
         scaled_amax = block_amax * tensor_scale / _FP4_MAX
         # A block with an inf or NaN: a NaN scale, which fp4 values cannot carry.
