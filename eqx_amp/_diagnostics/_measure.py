@@ -86,9 +86,9 @@ class Measure(Hook):
         naming.into_bodies(eqn)
         outs = evaluate(invals)
         recomputed = frame.transposed and compat.REMATERIALISED_SCOPE in frame.scopes
-        if is_block_product(eqn):
-            # One MXFP8 product, as the `cond` over its platforms' forms: its
-            # operands and output are outside the branches, where they are measured.
+        if _one_product(eqn):
+            # One product, as the `cond` over its platforms' forms: its operands
+            # and output are outside the branches, where they are measured.
             naming.out_of_bodies(eqn)
             operands = slice(1, 3)  # after the platform index, before the scales
             invars, origins = eqn.invars[operands], origins[operands]
@@ -299,6 +299,27 @@ _NOT_MEASURED = (
     "inside are missing from the `Telemetry`. Collect on a step that runs its "
     "products outside them (`redo_on_nan=0` on the measured steps)."
 )
+
+
+def _one_product(eqn: Any) -> bool:
+    """Whether `eqn` is one product written as a `cond` over the platforms' forms
+    (`with_cpu_form`: an MXFP8 product, or an fp8 backward product or a reduce
+    dtype's pullback that a CPU emits in float32), reading `(index, lhs, rhs,
+    ...)`: one branch runs, chosen as the program is lowered, and it makes the
+    product, not a choice of data that `telemetry` cannot follow."""
+    if eqn.primitive is not compat.cond_p or not compat.branch_platforms(eqn.params):
+        return False
+    if is_block_product(eqn):
+        return True
+
+    def products(body: Any) -> int:
+        return sum(
+            e.primitive in MATMUL_PRIMITIVES
+            or (is_higher_order(e) and any(map(products, compat.sub_jaxprs(e.params))))
+            for e in compat.open_jaxpr(body)[0].eqns
+        )
+
+    return all(products(branch) == 1 for branch in eqn.params["branches"])
 
 
 def _holds_products(eqn: Any) -> bool:
