@@ -128,6 +128,9 @@ def test_fp8_training_tracks_bfloat16_and_the_ablation_does_not():
         bf16, fp8 = rows[(task, "bf16")], rows[(task, "fp8")]
         assert abs(fp8 - bf16) < 0.05 * bf16
         assert abs(rows[(task, "mxfp8")] - bf16) < 0.05 * bf16
+        # 4-bit forward operands: within 5% after these 30 steps (the full run:
+        # +1.7% on the text, the digits' small final loss +55%).
+        assert abs(rows[(task, "nvfp4")] - bf16) < 0.05 * bf16
         assert rows[(task, "fp8, no scaling")] > 1.2 * bf16
 
 
