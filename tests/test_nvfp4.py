@@ -439,7 +439,7 @@ def test_telemetry_rows_say_nvfp4(getkey):
 
         return eqx.filter_grad(loss)(model)
 
-    _, telemetry = eqx_amp.diagnostics.telemetry(step)(model, x)
+    _, telemetry = eqx.filter_jit(eqx_amp.diagnostics.telemetry(step))(model, x)
     rows = telemetry.rows()
     fp4 = [r for r in rows if r.dtype == "float4_e2m1fn"]
     # Each layer's weight and input, forward; no row for the e4m3 block scales.
