@@ -5,16 +5,17 @@ stored as `float4_e2m1fn` values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives
 with one `float8_e4m3fn` block scale, and the whole tensor has one float32 scale
 on top: the two-level scaling of NVIDIA's NVFP4 recipe. The GEMM applies the block
 scales itself (`_block_scaled.block_product`: cuDNN's block-scaled GEMM on CUDA) and
-the tensor scales are applied to its float32 output.
+the tensor scales are applied to its output after (`_block_scaled.nv_product`).
 
 The tensor scale here is a power of two (`scale_from_amax`), so it is exact, and
 its inverse never leaves float32's normal range: the largest block of a tensor gets
 a block scale in (149, 299], within e4m3's range with half a binade to spare. A
 block scale is its amax over 6 rounded up to an e4m3 value, so no value of the
-block lands past 6 (none saturates, as MXFP8's RCEIL scales). A block whose scale falls below e4m3's smallest (2**-9 of the
-largest block's, over 448) is flushed to zero: NVFP4 has 17 binades of block
-scales, not fp8's 40 of values. A block holding an inf or NaN gets a NaN scale
-(fp4 has no NaN), so the outputs that read it are NaN and no others.
+block lands past 6 (none saturates, as with MXFP8's RCEIL scales). A block whose
+scale falls below e4m3's smallest, 2**-9 (against at most 299 for the tensor's
+largest block: 17 binades), is flushed to zero. A block holding an inf or NaN
+gets a NaN scale (fp4 has no NaN), so the outputs that read it are NaN and no
+others.
 
 Only the forward product is NVFP4: the backward products are MXFP8
 (`_block_scaled`), from operands saved in MXFP8 along what those products
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array
 
-from ._scaling import E4M3, finite_amax, scale_from_amax
+from ._scaling import E4M3, MAX_SCALE, finite_amax, scale_from_amax
 from ._shapes import NV_BLOCK
 
 
@@ -40,10 +41,8 @@ NVFP4_SCALES_SCOPE = "nvfp4 block scales"
 _FP4_MAX = float(jnp.finfo(FP4).max)
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
 # The tensor scale maps the amax to (896, 1792]: its block scale, amax / 6, then
-# lies in (149, 299], below e4m3's 448. Capped so that the scale stays a normal
-# float32 power of two.
+# lies in (149, 299], below e4m3's 448. Capped at `MAX_SCALE`, as fp8 scales are.
 _TENSOR_HEADROOM = 4.0
-_MAX_TENSOR_SCALE = 2.0**126
 
 
 def nv_quantize(x3: Array) -> tuple[Array, Array, Array]:
@@ -58,7 +57,7 @@ def nv_quantize(x3: Array) -> tuple[Array, Array, Array]:
     # largest of the finite ones. A block holding an inf or NaN has a NaN scale
     # whatever the tensor's is.
     amax = finite_amax(block_amax, (0, 1, 2, 3)).reshape(())
-    headroom = _MAX_TENSOR_SCALE / _TENSOR_HEADROOM
+    headroom = MAX_SCALE / _TENSOR_HEADROOM
     tensor_scale = jnp.minimum(scale_from_amax(amax, E4M3), headroom) * _TENSOR_HEADROOM
     tensor_scale = lax.stop_gradient(tensor_scale)
     with jax.named_scope(NVFP4_SCALES_SCOPE):
