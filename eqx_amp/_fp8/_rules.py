@@ -1,6 +1,6 @@
 """Where fp8 products run: the fp8 rules (`eqx_amp.fp8.TENSORWISE`, `ROWWISE`,
-`MXFP8`, `NVFP4`) and the hooks that rebind a program's matmuls and convolutions as fp8 ones
-(their shapes permitting: `_shapes`)."""
+`MXFP8`, `NVFP4`) and the hooks that rebind a program's matmuls and convolutions as
+fp8 ones (their shapes permitting: `_shapes`)."""
 
 import contextlib
 import contextvars
