@@ -319,3 +319,35 @@ def scanned_linears(n: int, width: int, batched: bool = False) -> ScannedLinears
     keys = jr.split(jr.key(0), n)
     blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(width, width, key=k))(keys)
     return ScannedLinears(blocks, batched)
+
+
+def fp8_roads(rule) -> dict:
+    """The three ways a model meets an fp8 `rule`: `filter_amp(fp8=)`,
+    `BiModel(fp8=)` and `autocast`'s rule for `dot_general`."""
+    import eqx_amp
+
+    return {
+        "filter_amp": lambda m: eqx_amp.filter_amp(m, fp8=rule),
+        "bimodel": lambda m: eqx_amp.BiModel(m, fp8=rule),
+        "autocast": lambda m: eqx_amp.autocast(m, rules={jax.lax.dot_general_p: rule}),
+    }
+
+
+# `(road, vmap)` pairs for a per-example model: each road under `jax.vmap`, and
+# `filter_amp` around an `eqx.filter_vmap` of it.
+ROAD_VMAPS = [
+    *((road, "jax.vmap") for road in ("autocast", "bimodel", "filter_amp")),
+    ("filter_amp", "eqx.filter_vmap inside"),
+]
+
+
+def batched_on_road(roads: dict, road: str, vmap: str):
+    """`forward(model, x)`: the per-example `model` on a batch, wrapped by `road`
+    outside a `jax.vmap`, or around an `eqx.filter_vmap` of it."""
+
+    def forward(model, x):
+        if vmap == "jax.vmap":
+            return jax.vmap(roads[road](model))(x)
+        return roads[road](eqx.filter_vmap(model))(x)
+
+    return forward

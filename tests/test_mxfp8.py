@@ -27,7 +27,7 @@ import pytest
 
 import eqx_amp
 
-from .helpers import scanned_linears
+from .helpers import ROAD_VMAPS, batched_on_road, fp8_roads, scanned_linears
 
 
 MATMUL = (((1,), (0,)), ((), ()))
@@ -311,28 +311,15 @@ def _model(getkey, in_size=64):
     return eqx.nn.MLP(in_size, 32, 64, 2, key=getkey())
 
 
-ROADS = {
-    "filter_amp": lambda m: eqx_amp.filter_amp(m, fp8=eqx_amp.fp8.MXFP8),
-    "bimodel": lambda m: eqx_amp.BiModel(m, fp8=eqx_amp.fp8.MXFP8),
-    "autocast": lambda m: eqx_amp.autocast(
-        m, rules={jax.lax.dot_general_p: eqx_amp.fp8.MXFP8}
-    ),
-}
+ROADS = fp8_roads(eqx_amp.fp8.MXFP8)
 
 
-@pytest.mark.parametrize(
-    "road, vmap",
-    [(road, "jax.vmap") for road in sorted(ROADS)]
-    + [("filter_amp", "eqx.filter_vmap inside")],
-)
+@pytest.mark.parametrize("road, vmap", ROAD_VMAPS)
 def test_every_road_runs_block_scaled(getkey, road, vmap):
     model = _model(getkey)
     x = jr.normal(getkey(), (32, 64))
 
-    def forward(model, x):
-        if vmap == "jax.vmap":
-            return jax.vmap(ROADS[road](model))(x)
-        return ROADS[road](eqx.filter_vmap(model))(x)
+    forward = batched_on_road(ROADS, road, vmap)
 
     def loss(model, x):
         return jnp.mean(forward(model, x).astype(jnp.float32) ** 2)

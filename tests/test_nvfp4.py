@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import eqx_amp
 
-from .helpers import scanned_linears
+from .helpers import ROAD_VMAPS, batched_on_road, fp8_roads, scanned_linears
 
 
 MATMUL = (((1,), (0,)), ((), ()))
@@ -297,30 +297,19 @@ def test_second_order_refused_and_jit_retraces(getkey):
 #
 
 
-ROADS = {
-    "filter_amp": lambda m: eqx_amp.filter_amp(m, fp8=NVFP4),
-    "bimodel": lambda m: eqx_amp.BiModel(m, fp8=NVFP4),
-    "autocast": lambda m: eqx_amp.autocast(m, rules={jax.lax.dot_general_p: NVFP4}),
-}
+ROADS = fp8_roads(NVFP4)
 
 
 def _model(getkey, in_size=64):
     return eqx.nn.MLP(in_size, 32, 64, 2, key=getkey())
 
 
-@pytest.mark.parametrize(
-    "road, vmap",
-    [(road, "jax.vmap") for road in sorted(ROADS)]
-    + [("filter_amp", "eqx.filter_vmap inside")],
-)
+@pytest.mark.parametrize("road, vmap", ROAD_VMAPS)
 def test_every_road_runs_nvfp4_forward(getkey, road, vmap):
     model = _model(getkey)
     x = jr.normal(getkey(), (32, 64))
 
-    def forward(model, x):
-        if vmap == "jax.vmap":
-            return jax.vmap(ROADS[road](model))(x)
-        return ROADS[road](eqx.filter_vmap(model))(x)
+    forward = batched_on_road(ROADS, road, vmap)
 
     report = eqx_amp.precision_report(forward, model, x)
     total = 2 * 32 * (64 * 64 + 64 * 64 + 64 * 32)
