@@ -35,7 +35,7 @@ from jaxtyping import Array
 from .._core._platform import with_cpu_form
 from .._jaxpr import _compat as compat
 from ._nvfp4 import NVFP4_SCOPE, nv_quantize
-from ._products import FP8_SCOPE
+from ._products import FP8_SCOPE, varying_over
 from ._scaling import E4M3, unscale
 from ._shapes import BLOCK, free_axes
 
@@ -188,10 +188,8 @@ def _varying_as_operands(product):
     and the platforms' branches must agree on it."""
 
     def typed(*operands):
-        out = product(*operands)
         axes = frozenset().union(*map(compat.varying_axes, operands))
-        missing = tuple(sorted(axes - compat.varying_axes(out), key=str))
-        return lax.pcast(out, missing, to="varying") if missing else out
+        return varying_over(product(*operands), axes)
 
     return typed
 

@@ -488,9 +488,11 @@ def varying_alike(*operands: Array) -> tuple[Array, ...]:
     rule must be given operands cast alike, or its gradient for a replicated
     operand would be typed as varying."""
     axes = frozenset().union(*map(compat.varying_axes, operands))
+    return tuple(varying_over(x, axes) for x in operands)
 
-    def cast(x: Array) -> Array:
-        missing = tuple(sorted(axes - compat.varying_axes(x), key=str))
-        return lax.pcast(x, missing, to="varying") if missing else x
 
-    return tuple(map(cast, operands))
+def varying_over(x: Array, axes: frozenset) -> Array:
+    """`x` typed as varying over `axes` (the `shard_map` axes among them it is not
+    typed as varying over yet are cast)."""
+    missing = tuple(sorted(axes - compat.varying_axes(x), key=str))
+    return lax.pcast(x, missing, to="varying") if missing else x
