@@ -450,6 +450,22 @@ def global_check():
             dtypes=sorted({str(g.dtype) for g in jtu.tree_leaves(grads)}),
         )
 
+    # The eager diagnostics, on a model and batch spread over every process: the
+    # overflow is in the last process's rows, yet every process names it.
+    sharded_model = eqx.filter_vmap(eqx.combine(shards, static))
+    bad = eqx_amp.find_nonfinite(
+        lambda m, x: eqx_amp.filter_amp(m, policy=F16)(x * 1000.0), sharded_model, x
+    )
+    found = eqx_amp.precision_report(eqx_amp.filter_amp(sharded_model, policy=BF16), x)
+    report(
+        "global",
+        road="eager diagnostics",
+        primitive=None if bad is None else bad.primitive,
+        input_ranges=None if bad is None else bad.input_ranges,
+        output_dtype=None if bad is None else bad.output_dtype,
+        low_precision_share=found.low_precision_share,
+    )
+
     # Telemetry: the amax of the input into the first product and of its weight are
     # maxima over every process's share.
     def step(model, x):

@@ -163,6 +163,16 @@ def test_reduce_dtype_across_processes(two, one):
     assert compute["grad_error"] < 0.01 and f32["grad_error"] < 0.01
 
 
+def test_eager_diagnostics_read_every_processs_rows(two, one):
+    across = agreed(two["global", "eager diagnostics"])
+    assert across == agreed(one["global", "eager diagnostics"])
+    # The input that overflows float16 (100 x 1000) is in the last process's rows.
+    assert across["primitive"] == "convert_element_type"
+    assert across["output_dtype"] == "float16"
+    assert across["input_ranges"][0][1] == 100_000.0
+    assert across["low_precision_share"] == 1.0
+
+
 def test_telemetry_amax_is_global(two, one):
     across = agreed(two["global", "telemetry"])
     assert across == agreed(one["global", "telemetry"])

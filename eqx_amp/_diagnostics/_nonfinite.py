@@ -56,10 +56,12 @@ class NonfiniteOp:
 
 
 def _nonfinite(value: Any) -> bool:
+    # Reduced where the array lives: only the answer comes to the host, and an array
+    # spread over several processes' devices cannot come whole to any of them.
     return (
         eqx.is_array(value)
         and jnp.issubdtype(value.dtype, jnp.inexact)
-        and not bool(np.all(np.isfinite(np.asarray(value))))
+        and not bool(jnp.isfinite(value).all())
     )
 
 
