@@ -351,3 +351,26 @@ def batched_on_road(roads: dict, road: str, vmap: str):
         return roads[road](eqx.filter_vmap(model))(x)
 
     return forward
+
+
+def run_example(name: str, *args: str) -> str:
+    """What `examples/<name> <args>` prints, run in a CPU-only interpreter with the
+    checkout's `eqx_amp` first on its path (installed or not); fails the test if it
+    exits with an error."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    pythonpath = [str(root), os.environ.get("PYTHONPATH", "")]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in pythonpath if p),
+        "JAX_PLATFORMS": "cpu",
+    }
+    result = subprocess.run(
+        [sys.executable, str(root / "examples" / name), *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
