@@ -201,6 +201,16 @@ autocast = wrapped(eqx_amp.autocast)
 autocast_fp8 = wrapped(
     ft.partial(eqx_amp.autocast, rules={jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE})
 )
+# As `autocast_fp8`, with attention's batched products (q.k and the probabilities
+# times v, which read no parameter) in fp8 too.
+autocast_fp8_attention = wrapped(
+    ft.partial(
+        eqx_amp.autocast,
+        rules={
+            jax.lax.dot_general_p: eqx_amp.fp8.TENSORWISE.with_activation_products()
+        },
+    )
+)
 # Rowwise matmuls; convolutions in fp8 too (an fp8 convolution is scaled tensorwise).
 autocast_fp8_rowwise = wrapped(
     ft.partial(
@@ -517,6 +527,10 @@ VARIANTS: dict[str, Variant] = {
             "autocast_fp8_rowwise", "eqx_amp", "fp8", "none",
             autocast_fp8_rowwise("bf16"),
         ),
+        Variant(
+            "autocast_fp8_attention", "eqx_amp", "fp8", "none",
+            autocast_fp8_attention("bf16"),
+        ),
         Variant("filter_amp_fp8", "eqx_amp", "fp8", "none", filter_amp_fp8("bf16")),
         Variant(
             "filter_amp_fp8_paying", "eqx_amp", "fp8", "none",
@@ -552,8 +566,9 @@ VARIANTS: dict[str, Variant] = {
 # The fp8 roads beyond `autocast_fp8` run in `--variants all` and the H100 compile
 # (`--preset h100-aot`); a CPU has no fp8 GEMM to time them on.
 MORE_FP8 = (
-    "autocast_fp8_rowwise", "filter_amp_fp8", "filter_amp_fp8_paying", "bimodel_fp8",
-    "filter_amp_fp8_delayed", "filter_amp_fp8_delayed_weights",
+    "autocast_fp8_rowwise", "autocast_fp8_attention", "filter_amp_fp8",
+    "filter_amp_fp8_paying", "bimodel_fp8", "filter_amp_fp8_delayed",
+    "filter_amp_fp8_delayed_weights",
 )  # fmt: skip
 DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in MORE_FP8)
 EQX_AMP_ONLY = tuple(

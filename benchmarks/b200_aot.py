@@ -70,6 +70,10 @@ def builders() -> dict:
         own[f"autocast_{name}"] = _variants.wrapped(autocast)("bf16")
         own[f"filter_amp_{name}"] = _variants.wrapped(filter_amp)("bf16")
         own[f"bimodel_{name}"] = _variants.bimodel("bf16", fp8=rule)
+    attention = {jax.lax.dot_general_p: eqx_amp.fp8.MXFP8.with_activation_products()}
+    own["autocast_mxfp8_attention"] = _variants.wrapped(
+        ft.partial(eqx_amp.autocast, rules=attention)
+    )("bf16")
     return {**{n: v.build for n, v in _variants.VARIANTS.items()}, **own}
 
 
