@@ -70,6 +70,9 @@ def builders() -> dict:
         own[f"autocast_{name}"] = _variants.wrapped(autocast)("bf16")
         own[f"filter_amp_{name}"] = _variants.wrapped(filter_amp)("bf16")
         own[f"bimodel_{name}"] = _variants.bimodel("bf16", fp8=rule)
+    own["filter_amp_mxfp8_paying"] = _variants.wrapped(
+        ft.partial(eqx_amp.filter_amp, fp8=eqx_amp.fp8.MXFP8.where_it_pays())
+    )("bf16")
     attention = {jax.lax.dot_general_p: eqx_amp.fp8.MXFP8.with_activation_products()}
     own["autocast_mxfp8_attention"] = _variants.wrapped(
         ft.partial(eqx_amp.autocast, rules=attention)

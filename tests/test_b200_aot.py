@@ -12,6 +12,7 @@ one (benchmarks/b200_aot.py). Needs the CUDA plugin, not a GPU:
 - the same for `eqx_amp.fp8.NVFP4` (by hand and on every road): each forward
   product is a `__cudnn$blockScaledDot` of e2m1 operands, its two backward
   products MXFP8 ones;
+- `MXFP8.where_it_pays()` on a model too small to gain: hand-cast's program;
 - an MLP under `jax.shard_map` FSDP on 8 B200s, its weights gathered in MXFP8.
 """
 
@@ -69,6 +70,9 @@ SCRIPT = textwrap.dedent(
             b200_aot.compile_variant(model, v, "tiny", sharding)
             for v in ("hand_bf16", *sys.argv[2].split(","))
         ]
+    out["paying"] = b200_aot.compile_variant(
+        "gpt", "filter_amp_mxfp8_paying", "tiny", sharding
+    )
     print("RESULT" + json.dumps(out))
     """
 )
@@ -118,6 +122,16 @@ def test_every_road_is_cudnn_block_scaled(compiled, model):
         assert row["saved"] < hand["saved"], row["variant"]
         nvfp4 = row["variant"].endswith("nvfp4")
         assert row["fp4_products"] == (forward if nvfp4 else 0), row["variant"]
+
+
+def test_mxfp8_where_it_pays_leaves_a_small_model_in_bfloat16(compiled):
+    """`MXFP8.where_it_pays()` on the tiny GPT, whose products are all too small to
+    gain on a B200 (the estimate is `tests/test_fp8_cost.py`'s): hand-cast's
+    program, no block-scaled product. (GPT-2-small's size too: RESULTS.md.)"""
+    hand, paying = compiled["gpt"][0], compiled["paying"]
+    assert paying["block_scaled_forward"] == paying["block_scaled_backward"] == 0
+    assert paying["products"] == hand["products"]
+    assert paying["roofline"] == hand["roofline"]
 
 
 FSDP_SCRIPT = textwrap.dedent(

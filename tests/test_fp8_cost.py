@@ -17,53 +17,83 @@ from .helpers import walk_eqns
 
 
 MATMUL = (((1,), (0,)), ((), ()))
-TOKENS = 8192  # GPT-2-small's batch 8 x seq 1024
+# Tokens a product runs over: GPT-2-small's batch 8 x seq 1024, and twice that.
+GPT_TOKENS = 8192
+TOKENS = 2 * GPT_TOKENS
+
+# What the fp8 guide documents, written out again: (GPU, bfloat16 and fp8 dense
+# peaks, memory bandwidth, bytes moved per value quantised, kernels per product).
+_GPUS = {
+    "tensorwise": ("an H100", 989e12, 1979e12, 3.35e12, 5, 6),
+    "mxfp8": ("a B200", 2250e12, 4500e12, 8e12, 3 * 2 + 2 * 33 / 32, 9),
+}
+_KERNEL_S = 7e-6
 
 
-def _h100_figures(m, k, n, batch=1):
-    """The documented estimate, written out again: microseconds saved, and spent."""
+def _figures(scaling, m, k, n, batch=1):
+    """Microseconds saved, and spent, by the documented estimate."""
+    _, bf16, fp8, bandwidth, per_value, kernels = _GPUS[scaling]
     flops = 2.0 * batch * m * n * k
-    saved = 3 * flops * (1 / (0.7 * 989e12) - 1 / (0.7 * 1979e12))
-    cost = 5 * batch * (m * k + k * n + m * n) / (0.8 * 3.35e12) + 6 * 3e-6
+    saved = 3 * flops * (1 / (0.7 * bf16) - 1 / (0.7 * fp8))
+    quantised = batch * (m * k + k * n + m * n)
+    cost = per_value * quantised / (0.8 * bandwidth) + kernels * _KERNEL_S
     return saved * 1e6, cost * 1e6
 
 
 @pytest.mark.parametrize(
-    ("m", "k", "n", "pays"),
+    ("scaling", "m", "k", "n", "pays"),
     [
-        (TOKENS, 768, 768, False),  # GPT-2-small's attention projections
-        (TOKENS, 768, 3072, True),  # its MLP
-        (TOKENS, 3072, 768, True),
-        (4096, 4096, 14336, True),  # Llama-3-8B's MLP at one 4096-token sequence
-        (64, 32, 32, False),
+        ("tensorwise", GPT_TOKENS, 768, 768, False),  # GPT-2-small's attention
+        ("tensorwise", GPT_TOKENS, 768, 3072, False),  # its MLP: launches outweigh
+        ("tensorwise", TOKENS, 768, 3072, True),
+        ("tensorwise", TOKENS, 768, 768, False),  # never, at any length
+        ("tensorwise", GPT_TOKENS, 768, 32768, True),  # its vocabulary projection
+        ("tensorwise", 4096, 4096, 4096, True),  # Llama-3-8B's attention, 4096 tokens
+        ("tensorwise", 4096, 4096, 14336, True),  # and its MLP
+        ("tensorwise", 64, 32, 32, False),
+        ("mxfp8", GPT_TOKENS, 768, 3072, False),  # a B200 gains less per FLOP
+        ("mxfp8", GPT_TOKENS, 768, 32768, False),
+        ("mxfp8", 4096, 4096, 4096, True),
+        ("mxfp8", 4096, 4096, 14336, True),
+        ("mxfp8", 2 * TOKENS, 2048, 2048, True),
+        ("mxfp8", 2 * TOKENS, 2048, 256, False),
     ],
 )
-def test_cost_reason_is_the_documented_estimate(m, k, n, pays):
-    reason = fp8_cost_reason((m, k), (k, n), MATMUL)
-    saved, cost = _h100_figures(m, k, n)
+def test_cost_reason_is_the_documented_estimate(scaling, m, k, n, pays):
+    reason = fp8_cost_reason(scaling, (m, k), (k, n), MATMUL)
+    saved, cost = _figures(scaling, m, k, n)
     assert (saved > cost) == pays
     if pays:
         assert reason is None
     else:
+        gpu = _GPUS[scaling][0]
+        gemms = "MXFP8 GEMMs" if scaling == "mxfp8" else "fp8 GEMMs"
         assert reason == (
-            f"too small to gain: its fp8 GEMMs would save {saved:.3g} us on an H100, "
+            f"too small to gain: its {gemms} would save {saved:.3g} us on {gpu}, "
             f"quantising costs {cost:.3g} us (`where_it_pays`)"
         )
+
+
+def test_rowwise_is_estimated_as_tensorwise():
+    for shape in [(GPT_TOKENS, 768, 768), (TOKENS, 768, 3072)]:
+        m, k, n = shape
+        args = ((m, k), (k, n), MATMUL)
+        assert fp8_cost_reason("rowwise", *args) == fp8_cost_reason("tensorwise", *args)
 
 
 def test_batched_and_transposed_dimension_numbers():
     # (b, k, m) x (b, n, k): 4 products of 2048 x 768 by 768 x 768 (each operand
     # batched, so 4 weights are quantised).
     dims = (((1,), (2,)), ((0,), (0,)))
-    reason = fp8_cost_reason((4, 768, 2048), (4, 768, 768), dims)
-    saved, cost = _h100_figures(2048, 768, 768, batch=4)
+    reason = fp8_cost_reason("tensorwise", (4, 768, 2048), (4, 768, 768), dims)
+    saved, cost = _figures("tensorwise", 2048, 768, 768, batch=4)
     assert f"save {saved:.3g} us" in reason
     assert f"costs {cost:.3g} us" in reason
 
 
 class _Block(eqx.Module):
-    """A projection that pays in fp8 at 8192 tokens (768 -> 3072) and one that
-    does not (768 -> 768)."""
+    """A projection that pays for tensorwise fp8 at 16384 tokens (768 -> 3072)
+    and one that does not (768 -> 768)."""
 
     wide: eqx.nn.Linear
     narrow: eqx.nn.Linear
@@ -104,7 +134,7 @@ def _fp8_dots(fn, *args) -> list[int]:
 
 @pytest.fixture(scope="module")
 def block():
-    """The block applied to each of 8192 tokens: `eqx.filter_vmap` inside the
+    """The block applied to each of 16384 tokens: `eqx.filter_vmap` inside the
     wrappers, so the products they decide on are the batched ones."""
     return eqx.filter_vmap(_Block(jr.key(0)))
 
@@ -176,6 +206,48 @@ def test_rule_identity_repr_and_pickle():
     assert pickle.loads(pickle.dumps(both)) == both
 
 
-def test_block_scales_are_not_modelled():
-    with pytest.raises(TypeError, match="MXFP8's block scales are not modelled"):
-        eqx_amp.fp8.MXFP8.where_it_pays()
+class _WideBlock(eqx.Module):
+    """A product that pays for MXFP8 on a B200 at 32768 tokens (2048 -> 2048) and
+    one that does not (2048 -> 256)."""
+
+    wide: eqx.nn.Linear
+    narrow: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jr.split(key)
+        self.wide = eqx.nn.Linear(2048, 2048, key=k1)
+        self.narrow = eqx.nn.Linear(2048, 256, key=k2)
+
+    def __call__(self, x):
+        return jnp.sum(self.wide(x)) + jnp.sum(self.narrow(x))
+
+
+def test_mxfp8_pays_by_a_b200s_estimate():
+    block = eqx.filter_vmap(_WideBlock(jr.key(0)))
+    x = jax.ShapeDtypeStruct((2 * TOKENS, 2048), jnp.float32)
+    rule = eqx_amp.fp8.MXFP8.where_it_pays()
+    assert repr(rule) == "eqx_amp.fp8.MXFP8.where_it_pays()"
+    saved, cost = _figures("mxfp8", 2 * TOKENS, 2048, 256)
+    expected = (
+        f"too small to gain: its MXFP8 GEMMs would save {saved:.3g} us on a B200, "
+        f"quantising costs {cost:.3g} us (`where_it_pays`)"
+    )
+    wide_flops = 2 * (2 * TOKENS) * 2048 * 2048
+    for wrapped in (
+        eqx_amp.filter_amp(block, fp8=rule),
+        eqx_amp.BiModel(block, fp8=rule),
+        eqx_amp.autocast(block, rules={jax.lax.dot_general_p: rule}),
+    ):
+        report = eqx_amp.diagnostics.precision_report(wrapped, x)
+        assert [skip.reason for skip in report.fp8_skipped] == [expected]
+        assert report.block_scaled_flops == wide_flops
+    # Without the estimate both products are block-scaled.
+    plain = eqx_amp.filter_amp(block, fp8=eqx_amp.fp8.MXFP8)
+    report = eqx_amp.diagnostics.precision_report(plain, x)
+    assert report.fp8_skipped == ()
+    assert report.block_scaled_flops == wide_flops * 9 // 8
+
+
+def test_nvfp4_is_not_modelled():
+    with pytest.raises(TypeError, match="NVFP4's 4-bit forward products are not"):
+        eqx_amp.fp8.NVFP4.where_it_pays()

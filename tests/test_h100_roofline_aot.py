@@ -1,6 +1,6 @@
 """The roofline of a GPT-2-small-sized training step compiled for an H100 without
 one (benchmarks/h100_aot.py, `_gpu_hlo.roofline`): the bfloat16 roads cost what
-hand-cast does, the fp8 roads do not regress, and `where_it_pays()` is not slower
+hand-cast does, the fp8 roads do not regress, and `where_it_pays()` is faster
 than bfloat16. Needs the CUDA plugin, not a GPU (`.ci/run` installs it in its own
 environment). A module of its own, beside `test_h100_aot.py`: two test workers
 compile the two in parallel."""
@@ -75,13 +75,14 @@ def test_fp8_roofline_does_not_regress(roofline, road):
     assert ours["non_gemm_bytes"]["epilogue"] == 0
 
 
-def test_fp8_where_it_pays_is_not_slower_than_bfloat16(roofline):
-    """`TENSORWISE.where_it_pays()` leaves GPT-2-small's 768 x 768 projections in
-    bfloat16: the step is no slower than hand-cast's (0.993x with launches, 0.961x
-    without, as compiled today), where every product in fp8 is 1.03x."""
+def test_fp8_where_it_pays_is_faster_than_bfloat16(roofline):
+    """`TENSORWISE.where_it_pays()` keeps GPT-2-small's vocabulary projection in
+    fp8 and leaves its other products in bfloat16 (768 x 768: too few FLOPs; the
+    MLP's: their six quantisation kernels cost more than they save at 7 us a
+    kernel): 0.972x hand-cast's step with launches, 0.966x without, as compiled
+    today, where every product in fp8 is 1.02x."""
     hand, ours = roofline["hand_bf16"], roofline["filter_amp_fp8_paying"]
-    assert ours["time_s_with_launches"] <= 1.00 * hand["time_s_with_launches"]
+    assert ours["time_s_with_launches"] <= 0.98 * hand["time_s_with_launches"]
     assert ours["time_s"] <= 0.97 * hand["time_s"]
-    assert (
-        0 < ours["gemm_flops"]["fp8"] < roofline["filter_amp_fp8"]["gemm_flops"]["fp8"]
-    )
+    # The vocabulary projection's three products (forward and both backward).
+    assert ours["gemm_flops"]["fp8"] == 3 * 2 * 8192 * 768 * 32768

@@ -401,7 +401,9 @@ def test_rule_values_and_refusals():
     assert NVFP4 != eqx_amp.fp8.MXFP8
     with pytest.raises(TypeError, match="NVFP4's forward products quantise each"):
         NVFP4.check_gather(jnp.dtype(jnp.bfloat16))
-    with pytest.raises(TypeError, match="NVFP4's block scales are not modelled"):
+    with pytest.raises(
+        TypeError, match="NVFP4's 4-bit forward products are not modelled"
+    ):
         NVFP4.where_it_pays()
 
 

@@ -105,8 +105,9 @@ class Fp8Rule(GatheredInFp8):
 
     def where_it_pays(self) -> "Fp8Rule":
         """This rule for the products whose fp8 GEMMs save more time than their
-        quantisation costs (an H100 roofline estimate from the shapes: the fp8
-        guide gives it); the others stay in the compute dtype, and
+        quantisation costs (a roofline estimate from the shapes, for an H100's
+        tensorwise and rowwise GEMMs and a B200's MXFP8 ones: the fp8 guide gives
+        it); the others stay in the compute dtype, and
         `precision_report(...).fp8_skipped` gives both figures. An `fp8_filter`
         given to `filter_amp` or `BiModel` still decides on its own: the modules it
         selects run in fp8 whatever they cost.
@@ -115,11 +116,11 @@ class Fp8Rule(GatheredInFp8):
         model = eqx_amp.filter_amp(model, fp8=eqx_amp.fp8.TENSORWISE.where_it_pays())
         ```
         """
-        if self.scaling not in ("tensorwise", "rowwise"):
+        if self.scaling == "nvfp4":
             raise TypeError(
-                f"`where_it_pays` estimates what an H100's fp8 GEMMs save against "
-                f"their quantisation passes, for tensorwise and rowwise scales; "
-                f"{self.name}'s block scales are not modelled."
+                "`where_it_pays` estimates what fp8 GEMMs save against their "
+                "quantisation passes (tensorwise and rowwise on an H100, MXFP8 on a "
+                "B200); NVFP4's 4-bit forward products are not modelled."
             )
         return Fp8Rule(self.name, self.scaling, self.activation_products, True)
 
@@ -166,7 +167,7 @@ class Fp8Rule(GatheredInFp8):
         if self.pays_only if pays_only is None else pays_only:
             lhs, rhs = (v.aval.shape for v in eqn.invars)
             dims = eqn.params["dimension_numbers"]
-            return fp8_cost_reason(lhs, rhs, dims) is None
+            return fp8_cost_reason(self.scaling, lhs, rhs, dims) is None
         return True
 
     def __repr__(self) -> str:
@@ -320,7 +321,7 @@ def matmul_in_fp8(
     if reason is None and scaling in BLOCK_SCALINGS and _PER_EXAMPLE.get():
         reason = _PER_EXAMPLE_REASON
     if reason is None and only_eligible and pays_only:
-        reason = fp8_cost_reason(lhs.shape, rhs.shape, dims)
+        reason = fp8_cost_reason(scaling, lhs.shape, rhs.shape, dims)
     if reason is not None or min(lhs.shape + rhs.shape, default=1) == 0:
         with jax.named_scope(f"{FP8_SKIPPED_SCOPE}: {reason or 'an empty product'}"):
             return lax.dot_general(lhs.astype(out_dtype), rhs.astype(out_dtype), dims)

@@ -1,6 +1,7 @@
 """Which products an fp8 kernel takes (shapes), and which pay for their quantisation
-(an H100 estimate from the shapes, for `rule.where_it_pays()`)."""
+(an H100 or B200 estimate from the shapes, for `rule.where_it_pays()`)."""
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -59,24 +60,54 @@ def fp8_eligible(lhs_shape, rhs_shape, dims) -> str | None:
     return None
 
 
-# The H100 SXM roofline of the benchmarks (`benchmarks/_gpu_hlo.py`): GEMMs at 70%
-# of the dense peak, other kernels at 80% of the memory bandwidth, 3 us a launch.
-_H100_BF16_FLOPS = 0.7 * 989e12
-_H100_FP8_FLOPS = 0.7 * 1979e12
-_H100_BYTES_PER_S = 0.8 * 3.35e12
-_LAUNCH_S = 3e-6
+@dataclasses.dataclass(frozen=True)
+class _Estimate:
+    """What `where_it_pays` assumes of a GPU and of one scaling's quantisation: the
+    roofline of the benchmarks (`benchmarks/_gpu_hlo.py`: GEMMs at 70% of the
+    dense peak, other kernels at 80% of the memory bandwidth) and a cost per
+    kernel launched, fitted to a measured H100 step (7 us, `benchmarks/RESULTS.md`:
+    the fp8 steps there lost on their extra kernels, not on their bytes)."""
+
+    gpu: str
+    bf16_flops: float
+    fp8_flops: float
+    bytes_per_s: float
+    # Bytes moved per value quantised, and kernels launched per product, for its
+    # two operands and its output gradient.
+    bytes_per_value: float
+    kernels: int
+    kernel_s: float = 7e-6
 
 
-def fp8_cost_reason(lhs_shape, rhs_shape, dims) -> str | None:
-    """Why a matmul of these shapes should stay out of fp8 (its fp8 GEMMs would
-    save less time than quantising costs, on an H100's roofline), or `None`.
+_ESTIMATES = {
+    # An amax pass (2 bytes read a value) and a quantise pass (2 read, 1 written)
+    # over each of the three tensors.
+    "tensorwise": _Estimate(
+        "an H100", 0.7 * 989e12, 0.7 * 1979e12, 0.8 * 3.35e12, 5, 6
+    ),
+    # Each tensor is quantised along both of the axes its products contract: an
+    # amax pass along one, a quantise pass along it (which XLA fuses with the
+    # other's amax) and a quantise pass along the other: 3 reads of 2 bytes, 2
+    # writes of a byte and a scale per 32 values.
+    "mxfp8": _Estimate(
+        "a B200", 0.7 * 2250e12, 0.7 * 4500e12, 0.8 * 8e12, 3 * 2 + 2 * (1 + 1 / 32), 9
+    ),
+}
+_ESTIMATES["rowwise"] = _ESTIMATES["tensorwise"]
+
+
+def fp8_cost_reason(scaling: str, lhs_shape, rhs_shape, dims) -> str | None:
+    """Why a matmul of these shapes should stay out of fp8 under `scaling` (its fp8
+    GEMMs would save less time than quantising costs: tensorwise and rowwise on an
+    H100's roofline, MXFP8 on a B200's), or `None`.
 
     Saved: the forward product and the two backward ones, each 2·B·M·N·K FLOPs,
-    at fp8's rate instead of bfloat16's. Cost: an amax pass (2 bytes read a value)
-    and a quantise pass (2 read, 1 written) over each operand and over the output
-    gradient, and those 6 kernels' launches. An operand shared by several products
-    (a weight quantised once per call, the input of q, k and v) is counted for
-    each, so the estimate errs towards bfloat16."""
+    at fp8's rate instead of bfloat16's. Cost: the quantisation of both operands
+    and of the output gradient (`_ESTIMATES`), and its kernels' launches. An
+    operand shared by several products (a weight quantised once per call, the
+    input of q, k and v) is counted for each, so the estimate errs towards
+    bfloat16."""
+    estimate = _ESTIMATES[scaling]
     (lc, rc), (lb, rb) = dims
 
     def size(shape, axes):
@@ -86,14 +117,18 @@ def fp8_cost_reason(lhs_shape, rhs_shape, dims) -> str | None:
     m = size(lhs_shape, free_axes(len(lhs_shape), lc, lb))
     n = size(rhs_shape, free_axes(len(rhs_shape), rc, rb))
     flops = 2.0 * batch * m * n * contracting
-    saved = 3 * flops * (1 / _H100_BF16_FLOPS - 1 / _H100_FP8_FLOPS)
+    saved = 3 * flops * (1 / estimate.bf16_flops - 1 / estimate.fp8_flops)
     quantised = batch * (m * contracting + n * contracting + m * n)
-    cost = 5 * quantised / _H100_BYTES_PER_S + 6 * _LAUNCH_S
+    cost = (
+        estimate.bytes_per_value * quantised / estimate.bytes_per_s
+        + estimate.kernels * estimate.kernel_s
+    )
     if saved > cost:
         return None
+    gemms = "MXFP8 GEMMs" if scaling == "mxfp8" else "fp8 GEMMs"
     return (
-        f"too small to gain: its fp8 GEMMs would save {saved * 1e6:.3g} us on an "
-        f"H100, quantising costs {cost * 1e6:.3g} us (`where_it_pays`)"
+        f"too small to gain: its {gemms} would save {saved * 1e6:.3g} us on "
+        f"{estimate.gpu}, quantising costs {cost * 1e6:.3g} us (`where_it_pays`)"
     )
 
 
