@@ -245,6 +245,9 @@ def test_fp8_gather_errors_name_the_leaf(getkey):
         trace(eqx_amp.fp8.ROWWISE)
     with pytest.raises(TypeError, match="`fp8` must be eqx_amp.fp8.TENSORWISE"):
         trace("fp8")
+    for rule in (eqx_amp.fp8.TENSORWISE, eqx_amp.fp8.MXFP8):
+        with pytest.raises(TypeError, match="cannot follow `where_it_pays\\(\\)`"):
+            trace(rule.where_it_pays())
     with pytest.raises(ValueError, match="compute dtype, which must be bfloat16"):
         trace(FP8, policy=eqx_amp.Policy(F32, jnp.float8_e4m3fn, F32))
     # A weight `fp8_filter` picks that cannot be gathered in fp8, by name.

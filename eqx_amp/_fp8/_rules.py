@@ -104,10 +104,10 @@ class Fp8Rule(GatheredInFp8):
         return Fp8Rule(self.name, self.scaling, True, self.pays_only)
 
     def where_it_pays(self) -> "Fp8Rule":
-        """This rule for the products whose fp8 GEMMs save more time than their
+        """This rule for the matmuls whose fp8 GEMMs save more time than their
         quantisation costs (a roofline estimate from the shapes, for an H100's
         tensorwise and rowwise GEMMs and a B200's MXFP8 ones: the fp8 guide gives
-        it); the others stay in the compute dtype, and
+        it; convolutions are not estimated); the others stay in the compute dtype, and
         `precision_report(...).fp8_skipped` gives both figures. An `fp8_filter`
         given to `filter_amp` or `BiModel` still decides on its own: the modules it
         selects run in fp8 whatever they cost.

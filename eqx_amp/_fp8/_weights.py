@@ -48,8 +48,19 @@ class GatheredInFp8:
 
     scaling: str
     multiple: int
+    pays_only: bool
 
     def check_gather(self, compute_dtype: np.dtype) -> None:
+        if self.pays_only:
+            raise TypeError(
+                f"`gather_params(..., fp8={self!r})`: a gather decides per weight, "
+                "before the shapes of the products that read it are known, so it "
+                "cannot follow `where_it_pays()`, and the products that rule leaves "
+                "in the compute dtype would read fp8-rounded weights. Pass the rule "
+                "without `where_it_pays()`, with an `fp8_filter` selecting the layers "
+                "whose products pay (`precision_report(...).fp8_skipped` names those "
+                "that do not)."
+            )
         why = {
             "rowwise": "rowwise products quantise each weight along the rows of "
             "each product",

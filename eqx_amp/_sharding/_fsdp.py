@@ -220,7 +220,8 @@ def gather_params(
     `ValueError` if nothing in `shards` is sharded over `axis_name`, or `specs` does
     not fit `shards`, or `fp8` is given and no weight can be gathered in fp8 (or
     one `fp8_filter` selects cannot); `TypeError` for an `fp8` that is not
-    `TENSORWISE` or `MXFP8`; `NameError` if `axis_name` is not a mapped axis here.
+    `TENSORWISE` or `MXFP8` (a `where_it_pays()` rule included: a gather cannot
+    tell which products pay); `NameError` if `axis_name` is not a mapped axis here.
 
     **Example:**
 
