@@ -65,3 +65,12 @@ if os.environ.get("JAX_COMPILATION_CACHE_DIR") is None:
 def getkey():
     keys = iter(jr.split(jr.key(0), 1000))
     return lambda: next(keys)
+
+
+def pytest_configure(config):
+    # Under `-n` without a `--dist` of the caller's, idle workers take the tests
+    # queued for a busy one (`worksteal`): with `load`, the fast tier's longest
+    # tests ended the run on one worker while the other waited.
+    explicit = any(a.startswith("--dist") for a in config.invocation_params.args)
+    if getattr(config.option, "dist", "no") == "load" and not explicit:
+        config.option.dist = "worksteal"
