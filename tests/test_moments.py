@@ -14,6 +14,7 @@ import pytest
 
 import eqx_amp
 from eqx_amp._optim._codec import block_statistics, encode
+from eqx_amp._optim._moments import _encode_all
 
 from .helpers import rel_error
 from .optim_helpers import (
@@ -416,3 +417,23 @@ def test_low_precision_moments_bad_input():
     optimizer = eqx_amp.optim.low_precision_moments(optax.adam(1e-3))
     with pytest.raises(TypeError, match=r"must be the `LowPrecisionMomentsState`"):
         optimizer.update({"w": jnp.ones(3)}, optax.adam(1e-3).init({"w": jnp.ones(3)}))
+
+
+@pytest.mark.parametrize("storage", ["8bit", "bfloat16"])
+def test_moments_of_one_shape_are_encoded_together_bit_for_bit(storage):
+    """`init` encodes the moments of one shape and kind with one batched encode (its
+    program grows with the distinct shapes, not the layers): the codes are each
+    moment's own encode's, an inf and an all-zero moment included."""
+    moments = [jr.normal(jr.key(i), (24, 40)) * 10.0 ** (i - 2) for i in range(4)]
+    moments[1] = moments[1].at[3, 4].set(jnp.inf)
+    moments += [jnp.abs(jr.normal(jr.key(9), (37,)))] * 3 + [jnp.zeros((7, 5))]
+    square_roots = (False, True, False, True, True, True, True, False)
+    moments = [jnp.abs(m) if r else m for m, r in zip(moments, square_roots)]
+    keys = list(jr.split(jr.key(5), len(moments)))
+    together = _encode_all(moments, square_roots, keys, storage, 256)
+    for moment, root, key, got in zip(moments, square_roots, keys, together):
+        alone = eqx.filter_jit(encode)(moment, storage, root, 256, key)
+        assert jtu.tree_structure(got) == jtu.tree_structure(alone)
+        for a, b in zip(jtu.tree_leaves(got), jtu.tree_leaves(alone)):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert bool(jnp.array_equal(a, b, equal_nan=True))
