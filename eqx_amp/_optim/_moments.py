@@ -393,8 +393,10 @@ def _encode_all(
     """The freshly initialised moments of a state, encoded in one compiled program
     (`init` usually runs outside `jit`: op by op, a 3-layer MLP's 8-bit state took
     22 s to initialise on a CPU). Moments of one shape and kind are stacked and
-    encoded by one batched encode, so the program grows with the model's distinct
-    shapes rather than its layers (a 32-layer MLP: 32 s with an encode per moment)."""
+    encoded by one encode looped over them (`lax.map`), so the program grows with
+    the model's distinct shapes rather than its layers (a 32-layer MLP: 32 s with
+    an encode per moment), and holds one moment's temporaries at a time (a batched
+    encode held all of theirs: 3x the memory)."""
     groups: dict[tuple, list[int]] = {}
     for i, (x, square_root) in enumerate(zip(moments, square_roots)):
         groups.setdefault((x.shape, x.dtype, square_root), []).append(i)
@@ -408,9 +410,12 @@ def _encode_all(
             (i,) = members
             encoded[i] = one(moments[i], keys[i])
             continue
-        batch = jax.vmap(one)(
-            jnp.stack([moments[i] for i in members]),
-            jnp.stack([keys[i] for i in members]),
+        batch = jax.lax.map(
+            lambda pair: one(*pair),
+            (
+                jnp.stack([moments[i] for i in members]),
+                jnp.stack([keys[i] for i in members]),
+            ),
         )
         for j, i in enumerate(members):
             encoded[i] = jtu.tree_map(lambda a, j=j: a[j], batch)
