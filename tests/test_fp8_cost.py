@@ -92,16 +92,18 @@ def test_batched_and_transposed_dimension_numbers():
 
 
 class _Block(eqx.Module):
-    """A projection that pays for tensorwise fp8 at 16384 tokens (768 -> 3072)
-    and one that does not (768 -> 768)."""
+    """Two projections of the same input, a wide one and a narrow one: at
+    768 -> 3072 and 768 -> 768 over 16384 tokens, the wide one pays for tensorwise
+    fp8 on an H100 and the narrow one does not; at 2048 -> 2048 and 2048 -> 256
+    over 32768 tokens, the same for MXFP8 on a B200."""
 
     wide: eqx.nn.Linear
     narrow: eqx.nn.Linear
 
-    def __init__(self, key):
+    def __init__(self, key, features=768, wide=3072, narrow=768):
         k1, k2 = jr.split(key)
-        self.wide = eqx.nn.Linear(768, 3072, key=k1)
-        self.narrow = eqx.nn.Linear(768, 768, key=k2)
+        self.wide = eqx.nn.Linear(features, wide, key=k1)
+        self.narrow = eqx.nn.Linear(features, narrow, key=k2)
 
     def __call__(self, x):
         return jnp.sum(self.wide(x)) + jnp.sum(self.narrow(x))
@@ -206,24 +208,8 @@ def test_rule_identity_repr_and_pickle():
     assert pickle.loads(pickle.dumps(both)) == both
 
 
-class _WideBlock(eqx.Module):
-    """A product that pays for MXFP8 on a B200 at 32768 tokens (2048 -> 2048) and
-    one that does not (2048 -> 256)."""
-
-    wide: eqx.nn.Linear
-    narrow: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2 = jr.split(key)
-        self.wide = eqx.nn.Linear(2048, 2048, key=k1)
-        self.narrow = eqx.nn.Linear(2048, 256, key=k2)
-
-    def __call__(self, x):
-        return jnp.sum(self.wide(x)) + jnp.sum(self.narrow(x))
-
-
 def test_mxfp8_pays_by_a_b200s_estimate():
-    block = eqx.filter_vmap(_WideBlock(jr.key(0)))
+    block = eqx.filter_vmap(_Block(jr.key(0), 2048, wide=2048, narrow=256))
     x = jax.ShapeDtypeStruct((2 * TOKENS, 2048), jnp.float32)
     rule = eqx_amp.fp8.MXFP8.where_it_pays()
     assert repr(rule) == "eqx_amp.fp8.MXFP8.where_it_pays()"

@@ -69,6 +69,7 @@ class _Estimate:
     the fp8 steps there lost on their extra kernels, not on their bytes)."""
 
     gpu: str
+    gemms: str
     bf16_flops: float
     fp8_flops: float
     bytes_per_s: float
@@ -83,14 +84,20 @@ _ESTIMATES = {
     # An amax pass (2 bytes read a value) and a quantise pass (2 read, 1 written)
     # over each of the three tensors.
     "tensorwise": _Estimate(
-        "an H100", 0.7 * 989e12, 0.7 * 1979e12, 0.8 * 3.35e12, 5, 6
+        "an H100", "fp8 GEMMs", 0.7 * 989e12, 0.7 * 1979e12, 0.8 * 3.35e12, 5, 6
     ),
     # Each tensor is quantised along both of the axes its products contract: an
     # amax pass along one, a quantise pass along it (which XLA fuses with the
     # other's amax) and a quantise pass along the other: 3 reads of 2 bytes, 2
     # writes of a byte and a scale per 32 values.
     "mxfp8": _Estimate(
-        "a B200", 0.7 * 2250e12, 0.7 * 4500e12, 0.8 * 8e12, 3 * 2 + 2 * (1 + 1 / 32), 9
+        "a B200",
+        "MXFP8 GEMMs",
+        0.7 * 2250e12,
+        0.7 * 4500e12,
+        0.8 * 8e12,
+        3 * 2 + 2 * (1 + 1 / 32),
+        9,
     ),
 }
 _ESTIMATES["rowwise"] = _ESTIMATES["tensorwise"]
@@ -125,9 +132,8 @@ def fp8_cost_reason(scaling: str, lhs_shape, rhs_shape, dims) -> str | None:
     )
     if saved > cost:
         return None
-    gemms = "MXFP8 GEMMs" if scaling == "mxfp8" else "fp8 GEMMs"
     return (
-        f"too small to gain: its {gemms} would save {saved * 1e6:.3g} us on "
+        f"too small to gain: its {estimate.gemms} would save {saved * 1e6:.3g} us on "
         f"{estimate.gpu}, quantising costs {cost * 1e6:.3g} us (`where_it_pays`)"
     )
 
