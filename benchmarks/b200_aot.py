@@ -39,11 +39,11 @@ from h100_aot import deviceless_devices, plugin_missing
 
 TARGET = pathlib.Path(__file__).resolve().parent / "b200.txtpb"
 NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
-# The bfloat16 baselines, every MXFP8 road, NVFP4 forward products, and tensorwise
-# fp8 for comparison.
+# The bfloat16 baselines, every MXFP8 road, NVFP4 forward products (and every
+# product, by NVIDIA's recipe), and tensorwise fp8 for comparison.
 VARIANTS = (
     "hand_bf16", "autocast_mxfp8", "filter_amp_mxfp8", "bimodel_mxfp8",
-    "filter_amp_nvfp4", "autocast_fp8",
+    "filter_amp_nvfp4", "filter_amp_nvfp4_training", "autocast_fp8",
 )  # fmt: skip
 _BACKWARD = re.compile(r"transpose\(")
 
@@ -64,7 +64,12 @@ def builders() -> dict:
     import eqx_amp
 
     own = {}
-    for name, rule in (("mxfp8", eqx_amp.fp8.MXFP8), ("nvfp4", eqx_amp.fp8.NVFP4)):
+    rules = (
+        ("mxfp8", eqx_amp.fp8.MXFP8),
+        ("nvfp4", eqx_amp.fp8.NVFP4),
+        ("nvfp4_training", eqx_amp.fp8.NVFP4.with_nvfp4_backward()),
+    )
+    for name, rule in rules:
         autocast = ft.partial(eqx_amp.autocast, rules={jax.lax.dot_general_p: rule})
         filter_amp = ft.partial(eqx_amp.filter_amp, fp8=rule)
         own[f"autocast_{name}"] = _variants.wrapped(autocast)("bf16")

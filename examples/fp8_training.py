@@ -1,7 +1,7 @@
 """fp8 matmuls in training: does a model trained with them land where bfloat16 does?
 
 Two models, each trained from the same weights on the same batches, for a few seeds,
-with `eqx_amp.autocast` in five ways:
+with `eqx_amp.autocast` in six ways:
 
 - `bf16`: the default rules (matmuls and convolutions in bfloat16);
 - `fp8`: `rules={dot_general: eqx_amp.fp8.TENSORWISE, conv_general_dilated: eqx_amp.fp8.TENSORWISE}`, current
@@ -10,6 +10,9 @@ with `eqx_amp.autocast` in five ways:
   each product's contracting dimension (Blackwell's recipe);
 - `nvfp4`: `eqx_amp.fp8.NVFP4`, forward products in NVFP4 (4-bit e2m1 values, an
   e4m3 scale per 16 values and a float32 one per tensor), backward ones in MXFP8;
+- `nvfp4, 4-bit backward`: `eqx_amp.fp8.NVFP4.with_nvfp4_backward()`, every product
+  in NVFP4 by NVIDIA's recipe (weights in 16 x 16 tiles, gradients rounded
+  stochastically, a random Hadamard rotation of the weight gradients' inputs);
 - `fp8, no scaling` (the ablation): the same casts to `float8_e4m3fn` with no scale,
   written as a user rule; the backward pass then casts gradients to e4m3 unscaled too.
 
@@ -71,6 +74,11 @@ VARIANTS = {
     # scale per 16 and a float32 one per tensor; backward products in MXFP8.
     "nvfp4": {
         jax.lax.dot_general_p: eqx_amp.fp8.NVFP4,
+        jax.lax.conv_general_dilated_p: eqx_amp.fp8.NVFP4,
+    },
+    # NVIDIA's 4-bit training recipe: the backward products in NVFP4 too.
+    "nvfp4, 4-bit backward": {
+        jax.lax.dot_general_p: eqx_amp.fp8.NVFP4.with_nvfp4_backward(),
         jax.lax.conv_general_dilated_p: eqx_amp.fp8.NVFP4,
     },
     "fp8, no scaling": {

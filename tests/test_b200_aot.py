@@ -11,7 +11,8 @@ one (benchmarks/b200_aot.py). Needs the CUDA plugin, not a GPU:
   residuals saved for the backward pass are fewer bytes than hand-cast bfloat16's;
 - the same for `eqx_amp.fp8.NVFP4` (by hand and on every road): each forward
   product is a `__cudnn$blockScaledDot` of e2m1 operands, its two backward
-  products MXFP8 ones;
+  products MXFP8 ones; with `NVFP4.with_nvfp4_backward()`, all three read e2m1
+  operands;
 - `MXFP8.where_it_pays()` on a model too small to gain: hand-cast's program;
 - an MLP under `jax.shard_map` FSDP on 8 B200s, its weights gathered in MXFP8.
 """
@@ -35,6 +36,7 @@ pytestmark = [
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 MXFP8_ROADS = ("autocast_mxfp8", "filter_amp_mxfp8", "bimodel_mxfp8")
 NVFP4_ROADS = ("autocast_nvfp4", "filter_amp_nvfp4", "bimodel_nvfp4")
+NVFP4_TRAINING_ROADS = tuple(f"{road}_training" for road in NVFP4_ROADS)
 
 # A fresh interpreter: the CUDA plugin must learn that there is no GPU before JAX
 # starts its backends, which pytest's process has done.
@@ -64,6 +66,9 @@ SCRIPT = textwrap.dedent(
     out = {
         "hand": [by_hand(*s) for s in sizes],
         "hand_nvfp4": [by_hand(*s, scaling="nvfp4") for s in sizes],
+        "hand_nvfp4_training": [
+            by_hand(*s, scaling="nvfp4_training") for s in sizes
+        ],
     }
     for model in ("gpt", "llama"):
         out[model] = [
@@ -86,7 +91,7 @@ def compiled():
             "-c",
             SCRIPT,
             str(BENCHMARKS),
-            ",".join(MXFP8_ROADS + NVFP4_ROADS),
+            ",".join(MXFP8_ROADS + NVFP4_ROADS + NVFP4_TRAINING_ROADS),
         ],
         capture_output=True,
         text=True,
@@ -108,6 +113,12 @@ def test_dot_general_by_hand_is_cudnn_block_scaled(compiled):
         assert check["block_scaled_forward"] == check["fp4_products"] == 1
         assert check["block_scaled_backward"] == 2
         assert check["mxfp8_not_cudnn"] == []
+    # NVIDIA's recipe: all three read e2m1 operands.
+    for check in compiled["hand_nvfp4_training"]:
+        assert check["block_scaled_forward"] == 1
+        assert check["block_scaled_backward"] == 2
+        assert check["fp4_products"] == 3
+        assert check["mxfp8_not_cudnn"] == []
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
@@ -120,8 +131,9 @@ def test_every_road_is_cudnn_block_scaled(compiled, model):
         assert row["block_scaled_backward"] == 2 * forward, row["variant"]
         assert row["mxfp8_not_cudnn"] == [], row["variant"]
         assert row["saved"] < hand["saved"], row["variant"]
-        nvfp4 = row["variant"].endswith("nvfp4")
-        assert row["fp4_products"] == (forward if nvfp4 else 0), row["variant"]
+        fp4 = {"nvfp4": forward, "training": 3 * forward}
+        expected = fp4.get(row["variant"].rsplit("_", 1)[-1], 0)
+        assert row["fp4_products"] == expected, row["variant"]
 
 
 def test_mxfp8_where_it_pays_leaves_a_small_model_in_bfloat16(compiled):

@@ -19,6 +19,7 @@ from .._fp8 import (
     quantize_weights_once,
     remember_fp8,
     traced_per_example,
+    weight_operand,
 )
 from .._jaxpr import _compat as compat
 from .._jaxpr._hook import Evaluate, Frame, Hook, Origin, is_higher_order, traced_dtypes
@@ -167,6 +168,7 @@ class _JaxprCasts(Hook):
                 only_eligible=True,
                 grad_dtype=self._reduce_dtype or self._compute_dtype,
                 pays_only=rule.pays_only,
+                weight=weight_operand(origins),
             )
         ]
 

@@ -16,11 +16,12 @@ written here, and differentiating it again is refused.
 power-of-two scale per 32 values along each product's contracting dimension,
 applied inside the GEMM (`_block_scaled`); `NVFP4` ones quantise the forward
 operands to 4 bits with an e4m3 scale per 16 values and one per tensor (`_nvfp4`),
-their backward products are MXFP8.
+their backward products are MXFP8, or NVFP4 by NVIDIA's recipe (`_block_scaled.
+nvfp4_matmul`: 16 x 16 weight tiles, stochastic rounding, Hadamard rotations).
 
 The layers: `_scaling` (scales from amaxes), `_products` (the fp8 matmul and
-convolution with their derivative rules), `_block_scaled` (the MXFP8 matmul and its
-derivative rule), `_shapes` (which shapes an fp8 kernel takes, and which pay),
+convolution with their derivative rules), `_block_scaled` (the MXFP8 and NVFP4 matmuls
+and their derivative rules), `_nvfp4` (NVFP4 quantisation), `_shapes` (which shapes an fp8 kernel takes, and which pay),
 `_rules` (where products run in fp8), `_dot_general` (one fp8 product, by hand).
 """
 
@@ -35,12 +36,13 @@ from ._products import FP8_SKIPPED_SCOPE as FP8_SKIPPED_SCOPE
 from ._products import holding_fp8_values as holding_fp8_values
 from ._products import known_fp8 as known_fp8
 from ._products import remember_fp8 as remember_fp8
-from ._rules import FP8_PRIMITIVES as FP8_PRIMITIVES
 from ._rules import MXFP8 as MXFP8
 from ._rules import NVFP4 as NVFP4
 from ._rules import ROWWISE as ROWWISE
 from ._rules import TENSORWISE as TENSORWISE
 from ._rules import Fp8Rule as Fp8Rule
 from ._rules import product_in_fp8 as product_in_fp8
-from ._rules import quantize_weights_once as quantize_weights_once
 from ._rules import traced_per_example as traced_per_example
+from ._rules import weight_operand as weight_operand
+from ._shapes import FP8_PRIMITIVES as FP8_PRIMITIVES
+from ._weights import quantize_weights_once as quantize_weights_once

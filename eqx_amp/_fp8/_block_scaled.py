@@ -34,15 +34,16 @@ from jaxtyping import Array
 
 from .._core._platform import with_cpu_form
 from .._jaxpr import _compat as compat
-from ._nvfp4 import NVFP4_SCOPE, nv_quantize
+from ._nvfp4 import NVFP4_SCOPE, nv_quantize, nv_quantize_along, nv_quantize_tiles
 from ._products import FP8_SCOPE, varying_over
 from ._scaling import E4M3, unscale
 from ._shapes import BLOCK, free_axes
 
 
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
-# The named scope inside `FP8_SCOPE` that block-scaled products run under: the
-# compiled GPU program's op names show it beside each cuDNN call.
+# The named scope inside `FP8_SCOPE` that block-scaled products (MXFP8's and
+# NVFP4's) run under: the compiled GPU program's op names show it beside each
+# cuDNN call.
 MXFP8_SCOPE = "mxfp8"
 # The dtypes JAX's block-scaled products emit.
 _PRODUCT_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.float16)))
@@ -315,19 +316,104 @@ def block_scaled_matmul(
 
 def nv_product(lhs3: Array, rhs3: Array, out_dtype) -> Array:
     """`(B, M, K) x (B, N, K) -> (B, M, N)` with both operands in NVFP4 along `K`
-    (`nv_quantize`): the block scales applied in the GEMM (`block_product`), the
-    two tensor scales to its output after, returned in `out_dtype`. The tensor
-    scales are powers of two, so a bfloat16 product's GEMM writes its still-scaled
-    sums in bfloat16 (half a float32 output's bytes; the numbers rounding after
-    unscaling gives); a float16 one writes float32, whose range they need."""
+    (`nv_quantize`), returned in `out_dtype` (`nv_block_product`)."""
     with jax.named_scope(NVFP4_SCOPE):
-        lhs, lhs_scales, lhs_tensor_scale = nv_quantize(lhs3)
-        rhs, rhs_scales, rhs_tensor_scale = nv_quantize(rhs3)
+        lhs, rhs = nv_quantize(lhs3), nv_quantize(rhs3)
+    return nv_block_product(lhs, rhs, out_dtype)
+
+
+def nv_block_product(lhs, rhs, out_dtype) -> Array:
+    """`(B, M, K) x (B, N, K) -> (B, M, N)` of two NVFP4 operands, each its values,
+    block scales and tensor scale along `K`: the block scales applied in the GEMM
+    (`block_product`), the two tensor scales to its output after, returned in
+    `out_dtype`. The tensor scales are powers of two, so a bfloat16 product's GEMM
+    writes its still-scaled sums in bfloat16 (half a float32 output's bytes; the
+    numbers rounding after unscaling gives); a float16 one writes float32, whose
+    range they need."""
+    (lhs, lhs_scales, lhs_tensor_scale), (rhs, rhs_scales, rhs_tensor_scale) = lhs, rhs
     bfloat16 = jnp.dtype(out_dtype) == jnp.bfloat16
     emit = jnp.bfloat16 if bfloat16 else jnp.float32
     out = block_product(lhs, rhs, lhs_scales, rhs_scales, emit).astype(jnp.float32)
     inverses = (1.0 / lhs_tensor_scale, 1.0 / rhs_tensor_scale)
     return unscale(out, *inverses).astype(out_dtype)
+
+
+def nvfp4_matmul(
+    dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, weight: int | None
+):
+    """The NVFP4 matmul `dot_general(lhs, rhs, dims)` of operands of `shapes`, its
+    backward products in NVFP4 too, by NVIDIA's recipe: operand `weight` (0 for
+    `lhs`, 1 for `rhs`, None for neither) quantised in 16 x 16 tiles, which the
+    forward product and the other operand's gradient read alike; the output
+    gradient rounded stochastically in both backward products; both inputs of the
+    weight's gradient (the product contracting the other operand's free axes)
+    rotated by `hadamard_16`. The other operand's form for the backward pass, NVFP4
+    along its free axes, is saved in the forward pass (half a byte a value);
+    contracting sizes of the backward products that are not multiples of 16 are
+    padded with zeros. Called as `block_scaled_matmul`'s matmul is (`known` is
+    not read: no weight is gathered in NVFP4)."""
+    (lc, rc), (lb, rb) = dims
+    lhs_shape, rhs_shape = shapes
+    out_shape = _output_shape(lhs_shape, rhs_shape, dims)
+    # The product contracting operand i's free axes makes operand 1 - i's gradient:
+    # the weight's when 1 - i is the weight, whose inputs are rotated.
+    rotated = (weight == 1, weight == 0)
+
+    def forward_forms(lhs3, rhs3):
+        """Each operand's form for the forward product, and a weight's for the
+        backward product reading it (others' are made after the product)."""
+        forms = []
+        with jax.named_scope(NVFP4_SCOPE):
+            for i, x3 in enumerate((lhs3, rhs3)):
+                forms.append(
+                    nv_quantize_tiles(x3) if i == weight else (nv_quantize(x3), None)
+                )
+        return forms
+
+    @jax.custom_vjp
+    @jax.named_scope(FP8_SCOPE)
+    @jax.named_scope(MXFP8_SCOPE)
+    def matmul(lhs, rhs, known):
+        del known
+        lhs3, rhs3 = _to_3d(lhs, lc, lb), _to_3d(rhs, rc, rb)
+        (lhs_q, _), (rhs_q, _) = forward_forms(lhs3, rhs3)
+        return nv_block_product(lhs_q, rhs_q, out_dtype).reshape(out_shape)
+
+    @jax.named_scope(FP8_SCOPE)
+    @jax.named_scope(MXFP8_SCOPE)
+    def forward(lhs, rhs, known):
+        lhs, rhs = _first_order_only((lhs, rhs))
+        lhs3, rhs3 = _to_3d(lhs, lc, lb), _to_3d(rhs, rc, rb)
+        (lhs_q, lhs_t), (rhs_q, rhs_t) = forward_forms(lhs3, rhs3)
+        out = nv_block_product(lhs_q, rhs_q, out_dtype).reshape(out_shape)
+        # Made after the product, which tells `telemetry` whose input they are.
+        with jax.named_scope(NVFP4_SCOPE):
+            if lhs_t is None:
+                lhs_t = nv_quantize_along(lhs3, 1, rotated=rotated[0])
+            if rhs_t is None:
+                rhs_t = nv_quantize_along(rhs3, 1, rotated=rotated[1])
+        return out, ((lhs_t, rhs_t), known)
+
+    @jax.named_scope(FP8_SCOPE)
+    @jax.named_scope(MXFP8_SCOPE)
+    def backward(residuals, cotangent):
+        residuals, known = residuals
+        (lhs_t, rhs_t), cotangent = _first_order_only((residuals, cotangent))
+        g3 = cotangent.reshape(_output_3d(lhs_shape, rhs_shape, dims))
+        with jax.named_scope(NVFP4_SCOPE):
+            g_n = nv_quantize_along(g3, 2, rotated=rotated[1], stochastic=True)
+            g_m = nv_quantize_along(g3, 1, rotated=rotated[0], stochastic=True)
+        # d lhs (B, M, K) = g (B, M, N) . rhs^T (B, K, N): contracts N.
+        dlhs3 = nv_block_product(g_n, rhs_t, grad_dtype)
+        # d rhs^T (B, K, N) = lhs^T (B, K, M) . g^T (B, N, M): contracts M.
+        drhs3 = _transposed(nv_block_product(lhs_t, g_m, grad_dtype))
+        dlhs = _from_3d(dlhs3, lhs_shape, lc, lb)
+        drhs = _from_3d(drhs3, rhs_shape, rc, rb)
+        no_gradient = jax.tree.map(jnp.zeros_like, known)
+        return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype), no_gradient
+
+    matmul.defvjp(forward, backward)
+    return matmul
 
 
 def _operands(lhs: tuple[Array, Array], rhs: tuple[Array, Array]):

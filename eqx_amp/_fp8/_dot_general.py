@@ -50,13 +50,19 @@ def dot_general(
     `float4_e2m1fn` with an e4m3 scale per 16 along the contracting axes and a
     power-of-two float32 scale for the tensor (the contracting size must be a
     multiple of 16); its backward products are MXFP8's. A block whose scale falls
-    below e4m3's range (2**-17 of the largest block's) is flushed to zero.
+    below e4m3's range (2**-17 of the largest block's) is flushed to zero. With
+    `scaling="nvfp4_training"` the backward products are NVFP4 too, by NVIDIA's
+    recipe, `rhs` taken as the weight: `rhs` quantised in 16 x 16 tiles (the
+    input gradient's product reads the forward's numbers), the output gradient
+    rounded stochastically, and both inputs of `rhs`'s gradient rotated by a
+    random 16 x 16 Hadamard matrix.
 
     **Arguments:**
 
     - `lhs`, `rhs`, `dimension_numbers`: as for `jax.lax.dot_general`.
     - `scaling`: `"tensorwise"` (one scale per operand), `"rowwise"`, `"mxfp8"`
-        (one per 32 values along the contracting axes) or `"nvfp4"`.
+        (one per 32 values along the contracting axes), `"nvfp4"` or
+        `"nvfp4_training"`.
     - `out_dtype`: the output (and backward compute) dtype, a floating dtype of 16
         bits or more or one of the package's words (`"bf16"`); `None` means the
         wider of the operands' dtypes (bfloat16 for bfloat16 operands).
@@ -74,7 +80,8 @@ def dot_general(
     if scaling not in SCALINGS:
         raise ValueError(
             "`scaling` must be 'tensorwise' or 'rowwise', or 'mxfp8' for block "
-            f"scales ('nvfp4' for a 4-bit forward product), not {scaling!r}."
+            "scales ('nvfp4' for a 4-bit forward product, 'nvfp4_training' for 4-bit "
+            f"backward products too), not {scaling!r}."
         )
     for name, operand in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(jnp.result_type(operand), jnp.floating):
@@ -97,5 +104,12 @@ def dot_general(
     # small for their still-scaled sums): with power-of-two scales, rounding them
     # before unscaling gives the numbers rounding after would.
     return matmul_in_fp8(
-        lhs, rhs, dimension_numbers, scaling, out_dtype, False, grad_dtype=out_dtype
+        lhs,
+        rhs,
+        dimension_numbers,
+        scaling,
+        out_dtype,
+        False,
+        grad_dtype=out_dtype,
+        weight=1 if scaling == "nvfp4_training" else None,
     )

@@ -10,7 +10,6 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jaxtyping import Array
 
@@ -19,7 +18,7 @@ from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import batched_like, evaluate_function
 from .._jaxpr._hook import Hook, Origin
 from .._jaxpr._outer_vmap import batched_after_tracing
-from ._block_scaled import block_scaled_matmul
+from ._block_scaled import block_scaled_matmul, nvfp4_matmul
 from ._delayed import current_supply, delayed_matmul
 from ._products import (
     FP8_SKIPPED_SCOPE,
@@ -28,25 +27,27 @@ from ._products import (
     holding_fp8_values,
     known_block_scaled,
     known_fp8,
-    remember_fp8,
     varying_alike,
 )
-from ._scaling import E4M3, scale_from_amax
 from ._shapes import (
     BLOCK,
     FP8_MULTIPLE,
+    FP8_PRIMITIVES,
     NV_BLOCK,
     fp8_conv_eligible,
     fp8_cost_reason,
     ineligible,
 )
-from ._weights import GatheredInFp8, quantize_weight, whole_amaxes
+from ._weights import GatheredInFp8, quantize_weights_once
 
 
-Scaling = Literal["tensorwise", "rowwise", "mxfp8", "nvfp4"]
-SCALINGS = ("tensorwise", "rowwise", "mxfp8", "nvfp4")
+Scaling = Literal["tensorwise", "rowwise", "mxfp8", "nvfp4", "nvfp4_training"]
+SCALINGS = ("tensorwise", "rowwise", "mxfp8", "nvfp4", "nvfp4_training")
 # The scalings whose scales are per block, applied inside the GEMM.
-BLOCK_SCALINGS = frozenset({"mxfp8", "nvfp4"})
+BLOCK_SCALINGS = frozenset({"mxfp8", "nvfp4", "nvfp4_training"})
+# NVFP4 forward products: backward ones in MXFP8, or (`"nvfp4_training"`) in
+# NVFP4 by NVIDIA's recipe.
+NVFP4_SCALINGS = frozenset({"nvfp4", "nvfp4_training"})
 
 
 class Fp8Rule(GatheredInFp8):
@@ -66,8 +67,9 @@ class Fp8Rule(GatheredInFp8):
     multiple of 32; its convolutions are tensorwise fp8 ones. `eqx_amp.fp8.NVFP4`
     runs the forward matmuls in NVFP4 (e2m1 values, an e4m3 scale per 16 along the
     contracting dimension and a float32 one per tensor), those whose contracting
-    size is a multiple of 16, and their backward products in MXFP8; convolutions
-    as `MXFP8` does."""
+    size is a multiple of 16, and their backward products in MXFP8 (in NVFP4 too,
+    by NVIDIA's training recipe, with `.with_nvfp4_backward()`); convolutions as
+    `MXFP8` does."""
 
     def __init__(
         self,
@@ -83,7 +85,13 @@ class Fp8Rule(GatheredInFp8):
         self.pays_only = where_it_pays
         # What an fp8 GEMM needs every dimension (an MXFP8 one: the contracting
         # one) to be a multiple of.
-        self.multiple = {"mxfp8": BLOCK, "nvfp4": NV_BLOCK}.get(scaling, FP8_MULTIPLE)
+        self.multiple = (
+            NV_BLOCK
+            if scaling in NVFP4_SCALINGS
+            else BLOCK
+            if scaling == "mxfp8"
+            else FP8_MULTIPLE
+        )
         # Under `autocast`: also the products that read no parameter (attention's
         # scores and its probabilities times values), whose operands are quantised
         # at every call: at a GPT-2-small size on an H100 that costs more than the
@@ -116,13 +124,37 @@ class Fp8Rule(GatheredInFp8):
         model = eqx_amp.filter_amp(model, fp8=eqx_amp.fp8.TENSORWISE.where_it_pays())
         ```
         """
-        if self.scaling == "nvfp4":
+        if self.scaling in NVFP4_SCALINGS:
             raise TypeError(
                 "`where_it_pays` estimates what fp8 GEMMs save against their "
                 "quantisation passes (tensorwise and rowwise on an H100, MXFP8 on a "
                 "B200); NVFP4's 4-bit forward products are not modelled."
             )
         return Fp8Rule(self.name, self.scaling, self.activation_products, True)
+
+    def with_nvfp4_backward(self) -> "Fp8Rule":
+        """`eqx_amp.fp8.NVFP4` with its backward products in NVFP4 too, by NVIDIA's
+        NVFP4 training recipe (arXiv 2509.25149): each weight quantised in 16 x 16
+        tiles, so that the input gradient's product multiplies by the numbers the
+        forward product did; output gradients rounded stochastically (unbiased);
+        both inputs of each weight gradient rotated by a random 16 x 16 Hadamard
+        matrix, which spreads a block's outlier over it. Every product of a layer
+        is then a 4-bit GEMM on a B200; the plain `NVFP4` keeps the backward
+        products in MXFP8.
+
+        ```python
+        rule = eqx_amp.fp8.NVFP4.with_nvfp4_backward()
+        model = eqx_amp.filter_amp(model, fp8=rule)
+        ```
+        """
+        if self.scaling not in NVFP4_SCALINGS:
+            raise TypeError(
+                f"`with_nvfp4_backward` is a form of `eqx_amp.fp8.NVFP4`; {self!r} "
+                "runs its backward products as its forward ones already."
+            )
+        return Fp8Rule(
+            self.name, "nvfp4_training", self.activation_products, self.pays_only
+        )
 
     def __call__(self, *args, **kwargs):
         raise TypeError(
@@ -171,7 +203,8 @@ class Fp8Rule(GatheredInFp8):
         return True
 
     def __repr__(self) -> str:
-        suffix = ".with_activation_products()" if self.activation_products else ""
+        suffix = ".with_nvfp4_backward()" if self.scaling == "nvfp4_training" else ""
+        suffix += ".with_activation_products()" if self.activation_products else ""
         suffix += ".where_it_pays()" if self.pays_only else ""
         return f"eqx_amp.fp8.{self.name}{suffix}"
 
@@ -185,8 +218,13 @@ class Fp8Rule(GatheredInFp8):
         return hash(self._key())
 
     def __reduce__(self):
-        if self.activation_products or self.pays_only:
-            return _variant, (self.name, self.activation_products, self.pays_only)
+        if (
+            self.activation_products
+            or self.pays_only
+            or self.scaling != _PLAIN[self.name]
+        ):
+            options = (self.activation_products, self.pays_only)
+            return _variant, (self.name, *options, self.scaling)
         return self.name
 
 
@@ -196,7 +234,18 @@ MXFP8 = Fp8Rule("MXFP8", "mxfp8")
 NVFP4 = Fp8Rule("NVFP4", "nvfp4")
 
 
-def _variant(name: str, activation_products: bool, pays_only: bool) -> Fp8Rule:
+# Each rule's scaling without options.
+_PLAIN = {
+    "TENSORWISE": "tensorwise",
+    "ROWWISE": "rowwise",
+    "MXFP8": "mxfp8",
+    "NVFP4": "nvfp4",
+}
+
+
+def _variant(
+    name: str, activation_products: bool, pays_only: bool, scaling: str | None = None
+) -> Fp8Rule:
     """The rule `name` with its options (how such a rule unpickles)."""
     rules = {
         "TENSORWISE": TENSORWISE,
@@ -205,6 +254,7 @@ def _variant(name: str, activation_products: bool, pays_only: bool) -> Fp8Rule:
         "NVFP4": NVFP4,
     }
     rule = rules[name]
+    rule = rule.with_nvfp4_backward() if scaling == "nvfp4_training" else rule
     rule = rule.with_activation_products() if activation_products else rule
     return rule.where_it_pays() if pays_only else rule
 
@@ -237,10 +287,12 @@ class _Fp8Dots(Hook):
     """Binds every `dot_general` and convolution of a program as an fp8 one (where
     its shapes allow, if `only_eligible`)."""
 
-    def __init__(self, scaling, out_dtype, only_eligible, grad_dtype, pays_only):
+    def __init__(
+        self, scaling, out_dtype, only_eligible, grad_dtype, pays_only, weight=None
+    ):
         self.scaling, self.out_dtype = scaling, out_dtype
         self.only_eligible, self.grad_dtype = only_eligible, grad_dtype
-        self.pays_only = pays_only
+        self.pays_only, self.weight = pays_only, weight
 
     def equation(self, eqn, invals, origins, frame, evaluate):
         if eqn.primitive in FP8_PRIMITIVES:
@@ -253,13 +305,10 @@ class _Fp8Dots(Hook):
                     only_eligible=self.only_eligible,
                     grad_dtype=self.grad_dtype,
                     pays_only=self.pays_only,
+                    weight=self.weight,
                 )
             ]
         return evaluate(invals)
-
-
-# The primitives fp8 rules and filters turn into fp8 products.
-FP8_PRIMITIVES = frozenset({lax.dot_general_p, lax.conv_general_dilated_p})
 
 
 def product_in_fp8(
@@ -271,17 +320,25 @@ def product_in_fp8(
     only_eligible,
     grad_dtype=jnp.float32,
     pays_only: bool = False,
+    weight: int | None = None,
 ) -> Array:
     """`eqn` (a `dot_general` or a convolution) on `lhs`, `rhs` in fp8; convolutions
     are scaled tensorwise. Matmuls' backward products emit `grad_dtype`; with
     `pays_only`, a matmul whose fp8 GEMMs save less than its quantisation costs
-    (`fp8_cost_reason`) stays in `out_dtype`."""
+    (`fp8_cost_reason`) stays in `out_dtype`. `weight` is the operand (0 or 1)
+    that is a parameter, if one is (NVIDIA's NVFP4 recipe treats it apart)."""
     if eqn.primitive is lax.conv_general_dilated_p:
         return conv_in_fp8(lhs, rhs, eqn.params, out_dtype, only_eligible)
     dims = eqn.params["dimension_numbers"]
     return matmul_in_fp8(
-        lhs, rhs, dims, scaling, out_dtype, only_eligible, grad_dtype, pays_only
+        lhs, rhs, dims, scaling, out_dtype, only_eligible, grad_dtype, pays_only, weight
     )
+
+
+def weight_operand(origins) -> int | None:
+    """Which operand of a product (0 or 1) is a parameter, if exactly one is."""
+    params = [i for i, origin in enumerate(origins) if origin is Origin.PARAMS]
+    return params[0] if len(params) == 1 else None
 
 
 def matmul_in_fp8(
@@ -293,10 +350,12 @@ def matmul_in_fp8(
     only_eligible: bool,
     grad_dtype=jnp.float32,
     pays_only: bool = False,
+    weight: int | None = None,
 ) -> Array:
     """An fp8 matmul; with `only_eligible`, shapes an fp8 GEMM cannot take run in
     `out_dtype` instead, under a named scope that gives the reason. Under
-    `jax.vmap` the shapes decided on are the batched ones."""
+    `jax.vmap` the shapes decided on are the batched ones. `weight`: as for
+    `product_in_fp8`."""
     (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dims
     dims = (
         (tuple(lhs_contracting), tuple(rhs_contracting)),
@@ -314,6 +373,7 @@ def matmul_in_fp8(
             only_eligible,
             grad_dtype,
             pays_only,
+            weight,
         )(lhs, rhs)
     reason = None
     if only_eligible:
@@ -332,6 +392,12 @@ def matmul_in_fp8(
         return delayed_matmul(
             supply, lhs, rhs, dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype
         )
+    if scaling == "nvfp4_training":
+        shapes = (lhs.shape, rhs.shape)
+        matmul = nvfp4_matmul(
+            dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, weight
+        )
+        return matmul(*varying_alike(lhs, rhs), (None, None))
     if scaling in BLOCK_SCALINGS:
         nvfp4 = scaling == "nvfp4"
         matmul = block_scaled_matmul(
@@ -376,6 +442,7 @@ def _batched_as_one(
     only_eligible,
     grad_dtype=jnp.float32,
     pays_only: bool = False,
+    weight: int | None = None,
 ):
     """Under `jax.vmap`, the batched product is one fp8 product: its scales cover
     the whole batch."""
@@ -390,10 +457,18 @@ def _batched_as_one(
             return conv_in_fp8(lhs, rhs, params, out_dtype, only_eligible)
         dims = params["dimension_numbers"]
         return matmul_in_fp8(
-            lhs, rhs, dims, scaling, out_dtype, only_eligible, grad_dtype, pays_only
+            lhs,
+            rhs,
+            dims,
+            scaling,
+            out_dtype,
+            only_eligible,
+            grad_dtype,
+            pays_only,
+            weight,
         )
 
-    hook = _Fp8Dots(scaling, out_dtype, only_eligible, grad_dtype, pays_only)
+    hook = _Fp8Dots(scaling, out_dtype, only_eligible, grad_dtype, pays_only, weight)
     return batched_like(plain, op, hook)
 
 
@@ -427,6 +502,7 @@ class Fp8ParamsHook(Hook):
                     # the compute dtype, as the policy's reduce dtype is.
                     grad_dtype=out_dtype,
                     pays_only=self.pays_only,
+                    weight=weight_operand(origins),
                 )
             ]
         return evaluate(invals)
@@ -468,77 +544,6 @@ def traced_per_example(eqn: Any) -> Iterator[None]:
         yield
     finally:
         _PER_EXAMPLE.reset(token)
-
-
-def quantize_weights_once(
-    in_fp8: Callable[[Any], bool],
-    compute_dtype: np.dtype | None,
-    jaxpr: Any,
-    values: list,
-    origins: list,
-) -> None:
-    """Quantises each parameter that an fp8 product of the program (an equation
-    for which `in_fp8(eqn)` holds) reads as it is (not through a reshape, a slice
-    or a body of its own) and can take in fp8 (a matrix of a matmul, both
-    dimensions multiples of 16; a convolution's kernel with feature counts that
-    are), once for all of the products that read it (`remember_fp8`; cast to
-    `compute_dtype` first, if given, as those products would), with the amaxes of
-    all of them taken together before any product. On a sharded weight that
-    quantises each shard, so the weight is all-gathered in fp8; and the amaxes'
-    all-reduces do not wait on the step's data, so XLA combines them into one.
-    (`evaluate_function`'s `prepare`, given the program's values and origins.)"""
-    atoms = [*jaxpr.constvars, *jaxpr.invars]
-    param_of = {
-        atom: value
-        for atom, value, origin in zip(atoms, values, origins)
-        if origin is Origin.PARAMS
-    }
-    read: dict[Any, None] = {}  # in the program's order: the amaxes' order is fixed
-    for eqn in jaxpr.eqns:
-        if eqn.primitive not in FP8_PRIMITIVES or not in_fp8(eqn):
-            continue
-        for position, atom in enumerate(eqn.invars):
-            w = None if isinstance(atom, compat.Literal) else param_of.get(atom)
-            if w is not None and _takes_fp8(eqn, position, w):
-                read[atom] = None
-    weights = [param_of[atom] for atom in read]
-    if not weights:
-        return
-    cast = [w if compute_dtype is None else w.astype(compute_dtype) for w in weights]
-    supply = current_supply()
-    if supply is not None and supply.delays_weights:
-        # Delayed: the scales are given; the amaxes are handed out by the first
-        # product reading each weight.
-        amaxes = whole_amaxes(cast)
-        for weight, w, amax in zip(weights, cast, amaxes):
-            scale = supply.weight_scale()
-            quantized = quantize_weight(w, lax.stop_gradient(scale))
-            remember_fp8(weight, quantized, lax.stop_gradient(scale))
-            supply.weight_quantized(weight, scale, amax)
-        return
-    # All the scales as one op: each weight's amax is needed at the same point, so
-    # XLA combines their all-reduces into one (scales computed apart let it pair
-    # each with a product's amax instead).
-    scales = scale_from_amax(whole_amaxes(cast), E4M3)
-    for weight, w, scale in zip(weights, cast, scales):
-        remember_fp8(weight, quantize_weight(w, scale), scale)
-
-
-def _takes_fp8(eqn: Any, position: int, w: Any) -> bool:
-    """Whether the parameter `w`, operand `position` of the fp8 product `eqn`, is
-    one to quantise before the products: a traced floating array that an fp8
-    kernel takes in that place, not quantised yet."""
-    if not (
-        compat.is_traced(w)  # see `remember_fp8`
-        and jnp.issubdtype(w.dtype, jnp.floating)
-        and w.dtype.itemsize >= 2
-        and not compat.is_batched(w)
-        and known_fp8(w) is None  # gathered in fp8 already
-    ):
-        return False
-    if eqn.primitive is lax.conv_general_dilated_p:
-        return position == 1 and fp8_conv_eligible(w.shape, eqn.params) is None
-    return w.ndim == 2 and all(n % FP8_MULTIPLE == 0 for n in w.shape)
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:

@@ -5,8 +5,11 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+from jax import lax
 
 
+# The primitives fp8 rules and filters turn into fp8 products.
+FP8_PRIMITIVES = frozenset({lax.dot_general_p, lax.conv_general_dilated_p})
 # fp8 GEMMs (cuBLASLt on Hopper) need every dimension to be a multiple of 16.
 FP8_MULTIPLE = 16
 # MXFP8: values per scale, along the contracting dimension.
@@ -159,6 +162,6 @@ def ineligible(scaling: str, lhs_shape, rhs_shape, dims) -> str | None:
     """Why no GEMM of `scaling` takes a matmul of these shapes; None if one does."""
     if scaling == "mxfp8":
         return block_scaled_eligible(lhs_shape, rhs_shape, dims)
-    if scaling == "nvfp4":
+    if scaling in ("nvfp4", "nvfp4_training"):
         return block_scaled_eligible(lhs_shape, rhs_shape, dims, NV_BLOCK, "NVFP4")
     return fp8_eligible(lhs_shape, rhs_shape, dims)

@@ -13,10 +13,13 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
+from .._jaxpr import _compat as compat
+from .._jaxpr._hook import Origin
 from ._block_scaled import MXFP8_SCOPE, mx_dequantize, mx_quantize_weight
-from ._products import FP8_SCOPE, WEIGHT_AMAX_SCOPE, remember_fp8
+from ._delayed import current_supply
+from ._products import FP8_SCOPE, WEIGHT_AMAX_SCOPE, known_fp8, remember_fp8
 from ._scaling import E4M3, finite_amax, quantize_with, scale_from_amax
-from ._shapes import BLOCK
+from ._shapes import BLOCK, FP8_MULTIPLE, FP8_PRIMITIVES, fp8_conv_eligible
 
 
 def whole_amaxes(weights: list[Array]) -> Array:
@@ -66,6 +69,8 @@ class GatheredInFp8:
             "each product",
             "nvfp4": "NVFP4's forward products quantise each weight with a scale "
             "for the whole tensor and its backward products in MXFP8",
+            "nvfp4_training": "NVFP4's products quantise each weight with a scale "
+            "for the whole tensor",
         }.get(self.scaling)
         if why is not None:
             raise TypeError(
@@ -155,3 +160,74 @@ class GatheredInFp8:
         """Marks `weight` as held in fp8 as `quantized` with `scale`: the fp8
         matmuls that read it read those values, rather than quantise it again."""
         return remember_fp8(weight, quantized, scale)
+
+
+def quantize_weights_once(
+    in_fp8: Callable[[Any], bool],
+    compute_dtype: np.dtype | None,
+    jaxpr: Any,
+    values: list,
+    origins: list,
+) -> None:
+    """Quantises each parameter that an fp8 product of the program (an equation
+    for which `in_fp8(eqn)` holds) reads as it is (not through a reshape, a slice
+    or a body of its own) and can take in fp8 (a matrix of a matmul, both
+    dimensions multiples of 16; a convolution's kernel with feature counts that
+    are), once for all of the products that read it (`remember_fp8`; cast to
+    `compute_dtype` first, if given, as those products would), with the amaxes of
+    all of them taken together before any product. On a sharded weight that
+    quantises each shard, so the weight is all-gathered in fp8; and the amaxes'
+    all-reduces do not wait on the step's data, so XLA combines them into one.
+    (`evaluate_function`'s `prepare`, given the program's values and origins.)"""
+    atoms = [*jaxpr.constvars, *jaxpr.invars]
+    param_of = {
+        atom: value
+        for atom, value, origin in zip(atoms, values, origins)
+        if origin is Origin.PARAMS
+    }
+    read: dict[Any, None] = {}  # in the program's order: the amaxes' order is fixed
+    for eqn in jaxpr.eqns:
+        if eqn.primitive not in FP8_PRIMITIVES or not in_fp8(eqn):
+            continue
+        for position, atom in enumerate(eqn.invars):
+            w = None if isinstance(atom, compat.Literal) else param_of.get(atom)
+            if w is not None and _takes_fp8(eqn, position, w):
+                read[atom] = None
+    weights = [param_of[atom] for atom in read]
+    if not weights:
+        return
+    cast = [w if compute_dtype is None else w.astype(compute_dtype) for w in weights]
+    supply = current_supply()
+    if supply is not None and supply.delays_weights:
+        # Delayed: the scales are given; the amaxes are handed out by the first
+        # product reading each weight.
+        amaxes = whole_amaxes(cast)
+        for weight, w, amax in zip(weights, cast, amaxes):
+            scale = supply.weight_scale()
+            quantized = quantize_weight(w, lax.stop_gradient(scale))
+            remember_fp8(weight, quantized, lax.stop_gradient(scale))
+            supply.weight_quantized(weight, scale, amax)
+        return
+    # All the scales as one op: each weight's amax is needed at the same point, so
+    # XLA combines their all-reduces into one (scales computed apart let it pair
+    # each with a product's amax instead).
+    scales = scale_from_amax(whole_amaxes(cast), E4M3)
+    for weight, w, scale in zip(weights, cast, scales):
+        remember_fp8(weight, quantize_weight(w, scale), scale)
+
+
+def _takes_fp8(eqn: Any, position: int, w: Any) -> bool:
+    """Whether the parameter `w`, operand `position` of the fp8 product `eqn`, is
+    one to quantise before the products: a traced floating array that an fp8
+    kernel takes in that place, not quantised yet."""
+    if not (
+        compat.is_traced(w)  # see `remember_fp8`
+        and jnp.issubdtype(w.dtype, jnp.floating)
+        and w.dtype.itemsize >= 2
+        and not compat.is_batched(w)
+        and known_fp8(w) is None  # gathered in fp8 already
+    ):
+        return False
+    if eqn.primitive is lax.conv_general_dilated_p:
+        return position == 1 and fp8_conv_eligible(w.shape, eqn.params) is None
+    return w.ndim == 2 and all(n % FP8_MULTIPLE == 0 for n in w.shape)
