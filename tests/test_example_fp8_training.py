@@ -1,5 +1,6 @@
-"""`examples/fp8_training.py` on tiny settings: fp8, MXFP8 and NVFP4 training tracks
-bfloat16's, and training in fp8 without scales does not.
+"""`examples/fp8_training.py` on tiny settings: fp8, MXFP8 and NVFP4 (forward
+products, and every product) training tracks bfloat16's, and training in fp8
+without scales does not.
 
 Its own module, so that `pytest -n auto --dist loadscope` (CI's slow tier) can run it
 beside the other examples rather than after them on one worker."""
@@ -25,6 +26,10 @@ def test_fp8_training_tracks_bfloat16_and_the_ablation_does_not():
         assert abs(fp8 - bf16) < 0.05 * bf16
         assert abs(rows[(task, "mxfp8")] - bf16) < 0.05 * bf16
         # 4-bit forward operands: within 5% after these 30 steps (the full run:
-        # +1.7% on the text, the digits' small final loss +55%).
+        # +1.9% on the text, the digits' small final loss +13%).
         assert abs(rows[(task, "nvfp4")] - bf16) < 0.05 * bf16
+        # Every product in 4 bits, by NVIDIA's recipe: the stochastically rounded
+        # gradients' noise slows the first steps (the digits +8.6% after these 30);
+        # the full run ends +2.2% on the text, +4.2% on the digits.
+        assert abs(rows[(task, "nvfp4, 4-bit backward")] - bf16) < 0.12 * bf16
         assert rows[(task, "fp8, no scaling")] > 1.2 * bf16

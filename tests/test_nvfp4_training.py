@@ -177,12 +177,11 @@ def test_stochastic_rounding_is_unbiased_and_keeps_grid_values():
     assert abs(rounded.mean() - 1.3) < 0.005
     # A value that stays the same across steps is rounded up as often as its
     # distance to the grid says: the seed (its tensor's amax) changes.
-    one = jnp.full((1,), 1.3)
-    ups = [
-        float(_to_e2m1_stochastically(one, _uniform((1,), jnp.uint32(s)))[0]) == 1.5
-        for s in range(2_000)
-    ]
-    assert abs(np.mean(ups) - 0.6) < 0.05
+    one = jnp.full((2_000, 1), 1.3)
+    seeds = jnp.arange(2_000, dtype=jnp.uint32)
+    draws = jax.vmap(lambda seed: _uniform((1,), seed))(seeds)
+    ups = np.asarray(_to_e2m1_stochastically(one, draws)) == 1.5
+    assert abs(ups.mean() - 0.6) < 0.05
     on_grid = jnp.asarray(np.r_[-GRID, GRID])
     np.testing.assert_array_equal(
         _to_e2m1_stochastically(on_grid, _uniform(on_grid.shape, seed)), on_grid
@@ -372,15 +371,15 @@ def _model(getkey, in_size=64):
     return eqx.nn.MLP(in_size, 32, 64, 2, key=getkey())
 
 
-def test_an_equinox_linear_is_quantised_in_tiles(getkey):
+@pytest.mark.parametrize("road", sorted(ROADS))
+def test_an_equinox_linear_is_quantised_in_tiles(getkey, road):
     """`eqx.nn.Linear` multiplies `weight @ x`: the weight is the left operand,
-    and the rule finds it there."""
+    and every road finds it there."""
     linear = eqx.nn.Linear(64, 48, use_bias=False, key=getkey())
     x = jr.normal(getkey(), (32, 64))
-    y = eqx.filter_jit(
-        lambda m, x: eqx_amp.filter_amp(eqx.filter_vmap(m), fp8=RULE)(x)
-    )(linear, x)
-    # Both in bfloat16 first, as `filter_amp` casts them; the output in bfloat16.
+    forward = batched_on_road(ROADS, road, "eqx.filter_vmap inside")
+    y = eqx.filter_jit(forward)(linear, x).astype(jnp.float32)
+    # Both in bfloat16 first, as every road casts them; the output in bfloat16.
     in_bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)  # noqa: E731
     weight = _nvfp4(in_bf16(linear.weight), tile_rows=16)
     expected = _nvfp4(in_bf16(x)) @ weight.T

@@ -1,4 +1,4 @@
-"""MXFP8 products: block-scaled fp8 matmuls (`eqx_amp.fp8.MXFP8`), first-order only.
+"""Block-scaled products (`eqx_amp.fp8.MXFP8`, `NVFP4`), first-order only.
 
 The OCP microscaling recipe that Blackwell's tensor cores run: every block of 32
 consecutive values along a product's contracting dimension is stored as
@@ -21,6 +21,11 @@ the second form, 1 byte a value plus a scale per 32, for the backward pass. The
 output gradient is quantised to e4m3 along each backward product's contracting
 dimension. A backward product whose contracting size is not a multiple of 32 has
 it padded with zeros (zeros change no sum).
+
+NVFP4 products run through the same GEMM (`block_product`) with 4-bit operands
+quantised by `_nvfp4`: forward ones with MXFP8 backward products
+(`block_scaled_matmul(..., nvfp4_forward=True)`), or all three by NVIDIA's recipe
+(`nvfp4_matmul`).
 """
 
 import functools as ft
