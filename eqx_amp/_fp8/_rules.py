@@ -85,13 +85,8 @@ class Fp8Rule(GatheredInFp8):
         self.pays_only = where_it_pays
         # What an fp8 GEMM needs every dimension (an MXFP8 one: the contracting
         # one) to be a multiple of.
-        self.multiple = (
-            NV_BLOCK
-            if scaling in NVFP4_SCALINGS
-            else BLOCK
-            if scaling == "mxfp8"
-            else FP8_MULTIPLE
-        )
+        block = {"mxfp8": BLOCK} | dict.fromkeys(NVFP4_SCALINGS, NV_BLOCK)
+        self.multiple = block.get(scaling, FP8_MULTIPLE)
         # Under `autocast`: also the products that read no parameter (attention's
         # scores and its probabilities times values), whose operands are quantised
         # at every call: at a GPT-2-small size on an H100 that costs more than the
