@@ -210,13 +210,18 @@ def test_one_non_finite_value_stays_in_its_block(getkey, bad, where):
         ((((1,), (0,)), ((), ())), (0, 32), (32, 8)),  # empty
     ],
 )
-def test_dimension_numbers(getkey, dims, lhs_shape, rhs_shape):
+@pytest.mark.parametrize(
+    "scaling", ["nvfp4", pytest.param("nvfp4_training", marks=pytest.mark.slow)]
+)
+def test_dimension_numbers(getkey, dims, lhs_shape, rhs_shape, scaling):
+    """Forward products in NVFP4, backward ones in MXFP8 or (NVIDIA's recipe,
+    `"nvfp4_training"`) in NVFP4 too, whose 4-bit gradients get a wider margin."""
     x, w = jr.normal(getkey(), lhs_shape), jr.normal(getkey(), rhs_shape)
 
     def values_and_grads(x, w, fp8):
         def product(x, w):
             if fp8:
-                return eqx_amp.fp8.dot_general(x, w, dims, scaling="nvfp4")
+                return eqx_amp.fp8.dot_general(x, w, dims, scaling=scaling)
             return jax.lax.dot_general(x, w, dims)
 
         loss = lambda x, w: jnp.sum(product(x, w) ** 2)  # noqa: E731
@@ -228,7 +233,7 @@ def test_dimension_numbers(getkey, dims, lhs_shape, rhs_shape):
     _close(y, y_ref, rtol=0.3)
     for a, b in zip(grads, ref):
         assert a.shape == b.shape and a.dtype == b.dtype
-        _close(a, b, rtol=0.4)
+        _close(a, b, rtol=0.4 if scaling == "nvfp4" else 0.5)
 
 
 def test_bfloat16_in_and_out_and_bad_operands(getkey):

@@ -10,7 +10,7 @@ stochastic rounding is unbiased and leaves grid values alone); error against
 float32; zeros, float32 subnormals, the largest finite values, a 1e30 outlier; one
 NaN or inf in an input, the weight or the output gradient (non-finite where float32
 is, widened to the weight's tile); empty, odd-sized and batched products and
-dimension numbers; bfloat16 in and out; residuals saved in NVFP4; second order
+dimension numbers (`test_nvfp4.py`'s, for both NVFP4 scalings); bfloat16 in and out; residuals saved in NVFP4; second order
 refused; `jit` retracing; the weight as either operand; every road under `jax.vmap`
 and `eqx.filter_vmap`, `shard_map` (with and without `check_vma`), `pmap`, an optax
 chain; the rule's values and refusals; `telemetry` rows.
@@ -246,38 +246,6 @@ def test_one_non_finite_value(getkey, bad, where):
         if where == "weight" and name == "dx":
             expected[:, 32:48] = True
         np.testing.assert_array_equal(~np.isfinite(np.asarray(out)), expected, name)
-
-
-@pytest.mark.slow  # the fast tier runs the NVFP4 forward-only forms of these
-@pytest.mark.parametrize(
-    "dims, lhs_shape, rhs_shape",
-    [
-        ((((2,), (1,)), ((0,), (0,))), (3, 40, 64), (3, 64, 24)),  # batched
-        ((((0, 2), (1, 0)), ((), ())), (8, 5, 4), (4, 8, 6)),  # two contracting
-        ((((1,), (2,)), ((0,), (1,))), (2, 64, 7), (5, 2, 64)),  # batch not leading
-        ((((1,), (0,)), ((), ())), (1, 16), (16, 1)),  # one output
-        ((((1,), (0,)), ((), ())), (0, 32), (32, 8)),  # empty
-    ],
-)
-def test_dimension_numbers(getkey, dims, lhs_shape, rhs_shape):
-    x, w = jr.normal(getkey(), lhs_shape), jr.normal(getkey(), rhs_shape)
-
-    def values_and_grads(x, w, fp4):
-        def product(x, w):
-            if fp4:
-                return eqx_amp.fp8.dot_general(x, w, dims, scaling="nvfp4_training")
-            return jax.lax.dot_general(x, w, dims)
-
-        loss = lambda x, w: jnp.sum(product(x, w) ** 2)  # noqa: E731
-        return product(x, w), jax.grad(loss, (0, 1))(x, w)
-
-    y, grads = jax.jit(values_and_grads, static_argnums=2)(x, w, True)
-    y_ref, ref = jax.jit(values_and_grads, static_argnums=2)(x, w, False)
-    assert y.shape == y_ref.shape and y.dtype == jnp.float32
-    _close(y, y_ref, rtol=0.3)
-    for a, b in zip(grads, ref):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        _close(a, b, rtol=0.5)
 
 
 def test_under_vmap_the_batch_is_one_product(getkey):

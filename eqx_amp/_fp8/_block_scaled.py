@@ -310,10 +310,7 @@ def block_scaled_matmul(
         # comes out laid out as a (K, N) weight is.
         g3_t = mx_quantize(g3, axis=1)
         drhs3 = _transposed(block_product(*_operands(lhs_t, g3_t), grad_dtype))
-        dlhs = _from_3d(dlhs3, lhs_shape, lc, lb)
-        drhs = _from_3d(drhs3, rhs_shape, rc, rb)
-        no_gradient = jax.tree.map(jnp.zeros_like, known)
-        return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype), no_gradient
+        return _gradients(dlhs3, drhs3, shapes, dims, (lhs_dtype, rhs_dtype), known)
 
     matmul.defvjp(forward, backward)
     return matmul
@@ -412,13 +409,21 @@ def nvfp4_matmul(
         dlhs3 = nv_block_product(g_n, rhs_t, grad_dtype)
         # d rhs^T (B, K, N) = lhs^T (B, K, M) . g^T (B, N, M): contracts M.
         drhs3 = _transposed(nv_block_product(lhs_t, g_m, grad_dtype))
-        dlhs = _from_3d(dlhs3, lhs_shape, lc, lb)
-        drhs = _from_3d(drhs3, rhs_shape, rc, rb)
-        no_gradient = jax.tree.map(jnp.zeros_like, known)
-        return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype), no_gradient
+        return _gradients(dlhs3, drhs3, shapes, dims, (lhs_dtype, rhs_dtype), known)
 
     matmul.defvjp(forward, backward)
     return matmul
+
+
+def _gradients(dlhs3, drhs3, shapes, dims, dtypes, known) -> tuple:
+    """A block-scaled matmul's cotangents from its backward products' `(batch,
+    free, contracting)` outputs: each laid out as its operand and in its dtype,
+    and zeros for the recorded forms `known` (not differentiated)."""
+    (lc, rc), (lb, rb) = dims
+    (lhs_shape, rhs_shape), (lhs_dtype, rhs_dtype) = shapes, dtypes
+    dlhs = _from_3d(dlhs3, lhs_shape, lc, lb).astype(lhs_dtype)
+    drhs = _from_3d(drhs3, rhs_shape, rc, rb).astype(rhs_dtype)
+    return dlhs, drhs, jax.tree.map(jnp.zeros_like, known)
 
 
 def _operands(lhs: tuple[Array, Array], rhs: tuple[Array, Array]):
