@@ -113,7 +113,9 @@ def _relative(a, b) -> float:
 #
 
 
-@pytest.mark.parametrize("shape", [(40, 64, 24), (10, 32, 10)])
+@pytest.mark.parametrize(
+    "shape", [(40, 64, 24), pytest.param((10, 32, 10), marks=pytest.mark.slow)]
+)
 def test_forward_reads_the_weight_in_16x16_tiles(getkey, shape):
     m, k, n = shape
     x, w = jr.normal(getkey(), (m, k)), jr.normal(getkey(), (k, n))
@@ -147,6 +149,7 @@ def test_weight_gradient_within_the_nvfp4_bound(getkey):
     assert 0.01 < _relative(dw, xd.T @ gd) < 0.25
 
 
+@pytest.mark.slow  # beside the fast tier's forward-only NVFP4 module
 def test_the_rotation_is_orthogonal_and_spreads_an_outlier(getkey):
     a, b = jr.normal(getkey(), (5, 48)), jr.normal(getkey(), (7, 48))
     _close(hadamard_16(a) @ hadamard_16(b).T, np.asarray(a) @ np.asarray(b).T)
@@ -291,6 +294,7 @@ def test_bfloat16_in_and_out_and_bad_operands(getkey):
         eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="nvfp4-training")
 
 
+@pytest.mark.slow  # beside the fast tier's forward-only NVFP4 module
 def test_residuals_saved_in_nvfp4_form(getkey):
     """Each operand saved as e2m1 values and e4m3 scales along what its backward
     product contracts: half a byte and one scale per 16 values on a GPU (XLA holds
@@ -307,6 +311,7 @@ def test_residuals_saved_in_nvfp4_form(getkey):
     assert sum(sizes.values()) <= 2  # the two tensor scales
 
 
+@pytest.mark.slow  # beside the fast tier's forward-only NVFP4 module
 def test_second_order_refused_and_jit_retraces(getkey):
     x, w = jr.normal(getkey(), (32, 32)), jr.normal(getkey(), (32, 32))
 
@@ -340,7 +345,13 @@ def _model(getkey, in_size=64):
     return eqx.nn.MLP(in_size, 32, 64, 2, key=getkey())
 
 
-@pytest.mark.parametrize("road", sorted(ROADS))
+@pytest.mark.parametrize(
+    "road",
+    [
+        "filter_amp",
+        *(pytest.param(r, marks=pytest.mark.slow) for r in ("autocast", "bimodel")),
+    ],
+)
 def test_an_equinox_linear_is_quantised_in_tiles(getkey, road):
     """`eqx.nn.Linear` multiplies `weight @ x`: the weight is the left operand,
     and every road finds it there."""
@@ -357,7 +368,7 @@ def test_an_equinox_linear_is_quantised_in_tiles(getkey, road):
     assert _relative(y, untiled) > 10 * _relative(y, expected)
 
 
-@pytest.mark.slow  # the fast tier runs the NVFP4 forward-only forms of these
+@pytest.mark.slow  # beside the fast tier's forward-only NVFP4 module
 @pytest.mark.parametrize("road, vmap", ROAD_VMAPS)
 def test_every_road_runs_every_product_in_nvfp4(getkey, road, vmap):
     model = _model(getkey)
@@ -385,7 +396,7 @@ def test_every_road_runs_every_product_in_nvfp4(getkey, road, vmap):
     assert all(in_dtypes(e)[:2] == [jnp.float4_e2m1fn] * 2 for e, _ in products)
 
 
-@pytest.mark.slow  # the fast tier runs the NVFP4 forward-only forms of these
+@pytest.mark.slow  # beside the fast tier's forward-only NVFP4 module
 def test_trains_with_an_optax_chain(getkey):
     model = _model(getkey)
     x = jr.normal(getkey(), (64, 64))
@@ -411,7 +422,7 @@ def test_trains_with_an_optax_chain(getkey):
     assert float(value) < 0.5 * float(first)
 
 
-@pytest.mark.slow  # the fast tier runs the NVFP4 forward-only forms of these
+@pytest.mark.slow  # beside the fast tier's forward-only NVFP4 module
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_under_shard_map_and_pmap(getkey, check_vma):
     x, w = jr.normal(getkey(), (8, 64)), jr.normal(getkey(), (64, 32))
@@ -453,7 +464,7 @@ def test_rule_values_and_refusals():
         RULE.check_gather(jnp.dtype(jnp.bfloat16))
 
 
-@pytest.mark.slow  # the fast tier runs the NVFP4 forward-only forms of these
+@pytest.mark.slow  # beside the fast tier's forward-only NVFP4 module
 def test_telemetry_rows_say_nvfp4_for_every_product(getkey):
     model = _model(getkey)
     x = jr.normal(getkey(), (32, 64))
