@@ -18,6 +18,7 @@ converts. Only the text is read: no GPU, no plugin.
 
 import collections
 import dataclasses
+import math
 import re
 
 
@@ -374,6 +375,14 @@ B200 = Device(
 )
 # cuDNN's block-scaled GEMM (`jax.nn.scaled_matmul`): `(B, M, K) x (B, N, K)`.
 BLOCK_SCALED_DOT = "__cudnn$blockScaledDot"
+# cuDNN's flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`):
+# `__cudnn$fmhaSoftmax`, `__cudnn$fmhaSoftmaxBackward`, and their dropout and bias forms.
+FUSED_ATTENTION = "__cudnn$fmha"
+_ATTENTION_MATRIX = re.compile(
+    r'"intermediate_tensor_shape":\s*\{"element_type":\s*"\w+",\s*'
+    r'"dimensions":\s*\[([^\]]*)\]'
+)
+_CAUSAL = re.compile(r'"mask_type":\s*"\w*CAUSAL"')
 # The kinds of kernel a roofline tells apart, besides GEMMs.
 NON_GEMM_KINDS = ("quantise", "amax", "epilogue", "layout", "other")
 # Ops that launch nothing (views, bookkeeping, control flow around kernels).
@@ -449,6 +458,24 @@ def _gemm_flops(module: _Module, inst: Instruction) -> float:
     return 2.0 * out_count * contracted
 
 
+def _attention_flops(module: _Module, inst: Instruction, target: str) -> float:
+    """FLOPs of a cuDNN flash-attention call, as the GEMMs it runs: the forward two
+    (scores, probabilities times values), the backward five (the scores again and
+    the gradients of the probabilities, values, queries and keys), each `2 x batch x
+    heads x queries x keys x head size`; a causal mask halves them (cuDNN skips the
+    blocks it masks)."""
+    matrix = _ATTENTION_MATRIX.search(inst.attributes)
+    query = module.instructions.get(inst.operands[0]) if inst.operands else None
+    query_dims = _ARRAY.findall(query.type) if query else []
+    if matrix is None or not query_dims:
+        return 0.0
+    batch_heads_queries_keys = math.prod(int(d) for d in re.findall(r"\d+", matrix[1]))
+    head_size = int(query_dims[0][1].split(",")[-1])
+    gemms = 5 if "Backward" in target else 2
+    causal = 0.5 if _CAUSAL.search(inst.attributes) else 1.0
+    return gemms * 2.0 * batch_heads_queries_keys * head_size * causal
+
+
 def _source(module: _Module, name: str) -> Instruction | None:
     """The instruction a value comes from, through tuple elements and bitcasts."""
     inst = module.instructions.get(name)
@@ -492,13 +519,14 @@ def _kind(module: _Module, inst: Instruction) -> str:
 
 def roofline(text: str, device: Device = H100_SXM) -> dict:
     """A time estimate of a compiled GPU program from its kernels: each cuBLAS GEMM
+    (and cuDNN flash-attention call, by the FLOPs of its GEMMs: `_attention_flops`)
     at `gemm_efficiency` of the dense peak of the dtype it reads, or its bytes
     (operands and results) at `memory_efficiency` of the bandwidth, whichever is
     slower; every other kernel at its bytes; `launch_s` per kernel in `time_s_with
     _launches`. No caches, no overlap, no autotuning: for ratios between programs
     compiled alike, not for times. Returns GEMM FLOPs by dtype, GEMM bytes,
     non-GEMM bytes by kind (`NON_GEMM_KINDS`), kernels, the two times and the part
-    of `time_s` spent in GEMMs and convolutions (`gemm_time_s`)."""
+    of `time_s` spent in GEMMs, attention calls and convolutions (`gemm_time_s`)."""
     module = _Module(text)
     launching = _launching_computations(module)
     flops = collections.Counter()
@@ -525,7 +553,13 @@ def roofline(text: str, device: Device = H100_SXM) -> dict:
         target = _TARGET.search(inst.attributes) if inst.op == "custom-call" else None
         target = target.group(1) if target else ""
         block_scaled = target == BLOCK_SCALED_DOT
-        if "cublas" in target or target.startswith("__cudnn$conv") or block_scaled:
+        attention = target.startswith(FUSED_ATTENTION)
+        if (
+            "cublas" in target
+            or target.startswith("__cudnn$conv")
+            or block_scaled
+            or attention
+        ):
             reads = _operand_dtypes(module, inst, 1)
             dtype = (
                 "fp4"
@@ -537,7 +571,13 @@ def roofline(text: str, device: Device = H100_SXM) -> dict:
                 else "f32"
             )
             gemm = "cublas" in target or block_scaled
-            work = _gemm_flops(module, inst) if gemm else 0.0
+            work = (
+                _attention_flops(module, inst, target)
+                if attention
+                else _gemm_flops(module, inst)
+                if gemm
+                else 0.0
+            )
             flops[dtype] += work
             gemm_bytes += nbytes
             # A GPU with no fp4 GEMM (an H100) could not run one: its CUDA cores.

@@ -12,6 +12,11 @@ knowledge of mixed precision inside):
   the same in every variant). Its presets follow Llama-3-8B's block (d_model 4096,
   32 heads, SwiGLU 14336) with 2 blocks and a small vocabulary: the shape at which
   fp8 products pay most.
+
+Both take `attention="cudnn"` (`--config attention=cudnn`): attention with the same
+projections by `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's flash
+attention, which never writes the attention matrices (how such models are trained on
+GPUs; it compiles only for a GPU).
 - `CNN`: a ResNet-ish stack of `Conv2d` + `GroupNorm` + ReLU blocks (a stride-2
   block starts each stage, residual blocks follow), global mean pooling and a linear
   head. Called on one `(channels, height, width)` image.
@@ -43,9 +48,11 @@ class Block(eqx.Module):
     norm2: eqx.nn.LayerNorm
     mlp_in: eqx.nn.Linear
     mlp_out: eqx.nn.Linear
+    flash: bool = eqx.field(static=True)
 
-    def __init__(self, width: int, heads: int, *, key: PRNGKeyArray):
+    def __init__(self, width: int, heads: int, *, flash: bool, key: PRNGKeyArray):
         k1, k2, k3 = jr.split(key, 3)
+        self.flash = flash
         self.norm1 = eqx.nn.LayerNorm(width)
         self.attention = eqx.nn.MultiheadAttention(heads, width, key=k1)
         self.norm2 = eqx.nn.LayerNorm(width)
@@ -53,7 +60,8 @@ class Block(eqx.Module):
         self.mlp_out = eqx.nn.Linear(4 * width, width, key=k3)
 
     def __call__(self, x: Float[Array, "seq width"]) -> Float[Array, "seq width"]:
-        x = x + causal_attention(self.norm1, self.attention, x)
+        attend = flash_causal_attention if self.flash else causal_attention
+        x = x + attend(self.norm1, self.attention, x)
         y = jax.vmap(self.norm2)(x)
         y = jax.vmap(self.mlp_out)(jax.nn.gelu(jax.vmap(self.mlp_in)(y)))
         return x + y
@@ -67,6 +75,31 @@ def causal_attention(norm, attention, x: Float[Array, "seq width"]) -> Array:
     return attention(y, y, y, mask=causal)
 
 
+def flash_causal_attention(
+    norm, attention: eqx.nn.MultiheadAttention, x: Float[Array, "seq width"]
+) -> Array:
+    """`causal_attention` with the same weights, the attention itself by cuDNN's
+    fused kernel. The kernel takes half precision only, so a float32 caller's
+    queries, keys and values go in as bfloat16 (as a model written for it casts
+    them); a mixed-precision step's already are."""
+    y = jax.vmap(norm)(x)
+
+    def heads(linear):
+        out = jax.vmap(linear)(y).reshape(x.shape[0], attention.num_heads, -1)
+        half = out.dtype in (jnp.bfloat16, jnp.float16)
+        return out if half else out.astype(jnp.bfloat16)
+
+    out = jax.nn.dot_product_attention(
+        heads(attention.query_proj),
+        heads(attention.key_proj),
+        heads(attention.value_proj),
+        is_causal=True,
+        implementation="cudnn",
+    )
+    out = out.astype(y.dtype).reshape(x.shape[0], -1)
+    return jax.vmap(attention.output_proj)(out)
+
+
 class GPT(eqx.Module):
     embed: eqx.nn.Embedding
     positions: Float[Array, "seq width"]
@@ -75,12 +108,20 @@ class GPT(eqx.Module):
     head: eqx.nn.Linear
 
     def __init__(
-        self, vocab: int, width: int, depth: int, heads: int, seq: int, *, key
+        self,
+        vocab: int,
+        width: int,
+        depth: int,
+        heads: int,
+        seq: int,
+        *,
+        flash: bool = False,
+        key,
     ):
         keys = jr.split(key, depth + 3)
         self.embed = eqx.nn.Embedding(vocab, width, key=keys[0])
         self.positions = 0.02 * jr.normal(keys[1], (seq, width))
-        self.blocks = [Block(width, heads, key=k) for k in keys[2:-1]]
+        self.blocks = [Block(width, heads, flash=flash, key=k) for k in keys[2:-1]]
         self.norm = eqx.nn.LayerNorm(width)
         self.head = eqx.nn.Linear(width, vocab, use_bias=False, key=keys[-1])
 
@@ -103,9 +144,13 @@ class LlamaBlock(eqx.Module):
     gate: eqx.nn.Linear
     up: eqx.nn.Linear
     down: eqx.nn.Linear
+    flash: bool = eqx.field(static=True)
 
-    def __init__(self, width: int, heads: int, hidden: int, *, key: PRNGKeyArray):
+    def __init__(
+        self, width: int, heads: int, hidden: int, *, flash: bool, key: PRNGKeyArray
+    ):
         k1, k2, k3, k4 = jr.split(key, 4)
+        self.flash = flash
         self.norm1 = eqx.nn.RMSNorm(width)
         self.attention = eqx.nn.MultiheadAttention(heads, width, key=k1)
         self.norm2 = eqx.nn.RMSNorm(width)
@@ -114,7 +159,8 @@ class LlamaBlock(eqx.Module):
         self.down = eqx.nn.Linear(hidden, width, use_bias=False, key=k4)
 
     def __call__(self, x: Float[Array, "seq width"]) -> Float[Array, "seq width"]:
-        x = x + causal_attention(self.norm1, self.attention, x)
+        attend = flash_causal_attention if self.flash else causal_attention
+        x = x + attend(self.norm1, self.attention, x)
         y = jax.vmap(self.norm2)(x)
         swiglu = jax.nn.silu(jax.vmap(self.gate)(y)) * jax.vmap(self.up)(y)
         return x + jax.vmap(self.down)(swiglu)
@@ -127,11 +173,21 @@ class Llama(eqx.Module):
     head: eqx.nn.Linear
 
     def __init__(
-        self, vocab: int, width: int, depth: int, heads: int, hidden: int, *, key
+        self,
+        vocab: int,
+        width: int,
+        depth: int,
+        heads: int,
+        hidden: int,
+        *,
+        flash: bool = False,
+        key,
     ):
         keys = jr.split(key, depth + 2)
         self.embed = eqx.nn.Embedding(vocab, width, key=keys[0])
-        self.blocks = [LlamaBlock(width, heads, hidden, key=k) for k in keys[1:-1]]
+        self.blocks = [
+            LlamaBlock(width, heads, hidden, flash=flash, key=k) for k in keys[1:-1]
+        ]
         self.norm = eqx.nn.RMSNorm(width)
         self.head = eqx.nn.Linear(width, vocab, use_bias=False, key=keys[-1])
 
@@ -221,11 +277,13 @@ class GPTConfig:
     heads: int
     seq: int
     batch: int
+    attention: str = "equinox"  # or "cudnn", as `LlamaConfig.attention`
 
     def describe(self) -> str:
         return (
             f"GPT: {self.depth} blocks, width {self.width}, {self.heads} heads, "
             f"seq {self.seq}, batch {self.batch}, vocab {self.vocab}"
+            + (", cuDNN flash attention" if self.attention == "cudnn" else "")
         )
 
 
@@ -238,12 +296,16 @@ class LlamaConfig:
     hidden: int
     seq: int
     batch: int
+    # "equinox": `eqx.nn.MultiheadAttention`, which writes the attention matrices;
+    # "cudnn": cuDNN's flash attention (`flash_causal_attention`; GPU compiles only).
+    attention: str = "equinox"
 
     def describe(self) -> str:
         return (
             f"Llama-style: {self.depth} blocks, width {self.width}, {self.heads} heads, "
             f"SwiGLU {self.hidden}, seq {self.seq}, batch {self.batch}, "
             f"vocab {self.vocab}"
+            + (", cuDNN flash attention" if self.attention == "cudnn" else "")
         )
 
 
@@ -299,17 +361,19 @@ PRESETS = {
 
 
 def with_overrides(config, spec: str):
-    """`config` with the sizes `spec` names (`"depth=4,batch=8"`) replaced."""
-    fields = {f.name for f in dataclasses.fields(config)}
+    """`config` with the fields `spec` names (`"depth=4,batch=8"`,
+    `"attention=cudnn"`) replaced."""
+    fields = {f.name: f for f in dataclasses.fields(config)}
     changes = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, _, value = part.partition("=")
-        if key not in fields or not value.isdigit():
+        textual = key in fields and fields[key].type in (str, "str")
+        if key not in fields or not (value and (textual or value.isdigit())):
             raise SystemExit(
-                f"--config: expected NAME=INTEGER with NAME one of "
-                f"{', '.join(sorted(fields))}; got {part!r}"
+                f"--config: expected NAME=VALUE (an integer but for 'attention') "
+                f"with NAME one of {', '.join(sorted(fields))}; got {part!r}"
             )
-        changes[key] = int(value)
+        changes[key] = value if textual else int(value)
     return dataclasses.replace(config, **changes)
 
 
@@ -346,15 +410,19 @@ def make_task(name: str, config, *, seed: int = 0) -> Task:
     key_model, key_data = jr.split(jr.key(seed))
     keys = jr.split(key_data, NUM_BATCHES)
     if name in ("gpt", "llama"):
+        if config.attention not in ("equinox", "cudnn"):
+            raise SystemExit(
+                f"--config: attention is 'equinox' or 'cudnn'; got {config.attention!r}"
+            )
         if name == "gpt":
             model = GPT(
                 config.vocab, config.width, config.depth, config.heads, config.seq,
-                key=key_model,
+                flash=config.attention == "cudnn", key=key_model,
             )  # fmt: skip
         else:
             model = Llama(
                 config.vocab, config.width, config.depth, config.heads, config.hidden,
-                key=key_model,
+                flash=config.attention == "cudnn", key=key_model,
             )  # fmt: skip
         batches = []
         for k in keys:

@@ -126,8 +126,26 @@ def test_benchmark_rejects_a_bad_config():
         "--preset", "tiny", "--models", "gpt", "--config", "depht=2"
     )
     assert result.returncode != 0
-    assert "--config: expected NAME=INTEGER with NAME one of" in result.stderr
+    assert "--config: expected NAME=VALUE (an integer but for" in result.stderr
     assert "'depht=2'" in result.stderr
+
+
+def test_config_overrides_name_the_attention_by_word_and_sizes_by_number():
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import _models
+
+    llama = _models.PRESETS["tiny"]["llama"]
+    flash = _models.with_overrides(llama, "attention=cudnn,depth=2")
+    assert (flash.attention, flash.depth) == ("cudnn", 2)
+    assert flash.describe().endswith(", cuDNN flash attention")
+    assert llama.attention == "equinox"
+    model = _models.make_task("llama", flash).model
+    assert all(block.flash for block in model.blocks)
+    with pytest.raises(SystemExit, match="attention is 'equinox' or 'cudnn'"):
+        _models.make_task("llama", _models.with_overrides(llama, "attention=flash"))
+    for bad in ("depth=two", "attention=", "heads"):
+        with pytest.raises(SystemExit, match=r"--config: expected NAME=VALUE"):
+            _models.with_overrides(llama, bad)
 
 
 def test_training_state_benchmark_counts_the_bytes():

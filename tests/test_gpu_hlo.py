@@ -273,3 +273,39 @@ def test_roofline_times_each_kernel_by_what_bounds_it():
     assert _gpu_hlo.ideal_ratio(roof, base) == pytest.approx(
         (expected + gemms) / (3 * expected)
     )
+
+
+# cuDNN's flash attention as XLA 0.10's GPU compiler prints it (backend configs cut to
+# the fields the roofline reads): a causal forward and its backward, and one unmasked.
+ATTENTION_HLO = """\
+HloModule jit_step
+
+ENTRY %main (q: bf16[2,256,4,64], k: bf16[2,256,4,64], v: bf16[2,256,4,64], do: bf16[2,256,4,64]) -> bf16[2,4,256,64] {
+  %q = bf16[2,256,4,64]{3,2,1,0} parameter(0)
+  %k = bf16[2,256,4,64]{3,2,1,0} parameter(1)
+  %v = bf16[2,256,4,64]{3,2,1,0} parameter(2)
+  %do = bf16[2,256,4,64]{3,2,1,0} parameter(3)
+  %fwd = (bf16[2,4,256,64]{3,1,2,0}, f32[2,4,256]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": {"fmha_scale": 0.125, "intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "4", "256", "256"]}, "is_flash_attention": true, "mask_type": "CAUSAL"}}
+  %o = bf16[2,4,256,64]{3,1,2,0} get-tuple-element(%fwd), index=0
+  %stats = f32[2,4,256]{2,1,0} get-tuple-element(%fwd), index=1
+  %bwd = (bf16[2,4,256,64]{3,1,2,0}, bf16[2,4,256,64]{3,1,2,0}, bf16[2,4,256,64]{3,1,2,0}, u8[0]{0}) custom-call(%q, %k, %v, %stats, %do), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={"cudnn_fmha_backend_config": {"fmha_scale": 0.125, "intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "4", "256", "256"]}, "is_flash_attention": true, "mask_type": "CAUSAL"}}
+  %full = (bf16[2,4,256,64]{3,1,2,0}, f32[2,4,256]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": {"fmha_scale": 0.125, "intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "4", "256", "256"]}, "is_flash_attention": true, "mask_type": "NO_MASK"}}
+  ROOT %tuple = (bf16[2,4,256,64]{3,1,2,0}, (bf16[2,4,256,64]{3,1,2,0}, bf16[2,4,256,64]{3,1,2,0}, bf16[2,4,256,64]{3,1,2,0}, u8[0]{0}), (bf16[2,4,256,64]{3,1,2,0}, f32[2,4,256]{2,1,0}, u8[0]{0})) tuple(%o, %bwd, %full)
+}
+"""
+
+
+def test_flash_attention_is_timed_by_the_flops_of_its_gemms():
+    device = _gpu_hlo.Device(
+        "test", {"bf16": 1e12, "f32": 1e11}, bandwidth=1e15, gemm_efficiency=0.5
+    )
+    roof = _gpu_hlo.roofline(ATTENTION_HLO, device)
+    one_gemm = 2 * (2 * 4 * 256 * 256) * 64
+    # Forward: 2 GEMMs, backward: 5; a causal mask halves them.
+    flops = one_gemm * (2 / 2 + 5 / 2 + 2)
+    assert roof["gemm_flops"] == {"bf16": flops}
+    assert roof["kernels"] == 3
+    assert roof["gemm_time_s"] == pytest.approx(flops / 0.5e12)
+    # Nothing but the three calls: no bytes outside them, no product to check.
+    assert sum(roof["non_gemm_bytes"].values()) == 0
+    assert _gpu_hlo.products(ATTENTION_HLO) == []

@@ -1,15 +1,22 @@
 """The roofline of a GPT-2-small-sized training step compiled for an H100 without
 one (benchmarks/h100_aot.py, `_gpu_hlo.roofline`): the bfloat16 roads cost what
 hand-cast does, the fp8 roads do not regress, and `where_it_pays()` is faster
-than bfloat16. Needs the CUDA plugin, not a GPU (`.ci/run` installs it in its own
+than bfloat16; and of the Llama-style step with cuDNN's flash attention, where fp8
+pays. Needs the CUDA plugin, not a GPU (`.ci/run` installs it in its own
 environment). A module of its own, beside `test_h100_aot.py`: two test workers
 compile the two in parallel."""
 
+import pathlib
+import sys
 import textwrap
 
 import pytest
 
 from .helpers import needs_cuda_plugin, result_of_compile_script
+
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+import _gpu_hlo  # noqa: E402
 
 
 pytestmark = [
@@ -23,11 +30,12 @@ ROOFLINE_SCRIPT = textwrap.dedent(
     sys.path[:0] = [sys.argv[1], sys.argv[1] + "/.."]
     import h100_aot
     sharding = h100_aot.h100_sharding()
+    model, config, variants = sys.argv[2:5]
     out = {
         v: h100_aot.compile_variant(
-            "gpt", v, "gpu", sharding, ("cublas",), config="depth=4,batch=8"
+            model, v, "gpu", sharding, ("cublas",), config=config
         )["cublas"]["roofline"]
-        for v in sys.argv[2].split(",")
+        for v in variants.split(",")
     }
     print("RESULT" + json.dumps(out))
     """
@@ -43,7 +51,10 @@ def roofline():
     """The GPT-2-small-sized step (4 blocks x 768, seq 1024, batch 8, vocab 32768)
     compiled for an H100 with cuBLAS GEMMs: each road's roofline."""
     return result_of_compile_script(
-        ROOFLINE_SCRIPT, ",".join(("hand_bf16", *ROOFLINE_ROADS))
+        ROOFLINE_SCRIPT,
+        "gpt",
+        "depth=4,batch=8",
+        ",".join(("hand_bf16", *ROOFLINE_ROADS)),
     )
 
 
@@ -86,3 +97,34 @@ def test_fp8_where_it_pays_is_faster_than_bfloat16(roofline):
     assert ours["time_s"] <= 0.97 * hand["time_s"]
     # The vocabulary projection's three products (forward and both backward).
     assert ours["gemm_flops"]["fp8"] == 3 * 2 * 8192 * 768 * 32768
+
+
+@pytest.fixture(scope="module")
+def flash_llama():
+    """The Llama-style step (one block of 4096, SwiGLU 14336, seq 4096, batch 1) with
+    cuDNN's flash attention, as such a model is trained on a GPU, compiled for an
+    H100: hand-cast bfloat16's roofline and the fp8 step's."""
+    return result_of_compile_script(
+        ROOFLINE_SCRIPT, "llama", "depth=1,attention=cudnn", "hand_bf16,filter_amp_fp8"
+    )
+
+
+def test_flash_attention_is_timed_as_its_gemms_and_stays_bfloat16(flash_llama):
+    hand, fp8 = flash_llama["hand_bf16"], flash_llama["filter_amp_fp8"]
+    # Causal: the forward's 2 GEMMs and the backward's 5, each 2 x 32 heads x 4096
+    # x 4096 x 128, halved by the mask.
+    attention = 7 * 2 * 32 * 4096 * 4096 * 128 * 0.5
+    assert fp8["gemm_flops"]["bf16"] == attention
+    assert hand["gemm_flops"]["bf16"] == attention + fp8["gemm_flops"]["fp8"]
+
+
+def test_fp8_pays_at_llama_size_with_flash_attention(flash_llama):
+    """As compiled today: 0.776x hand-cast's step (0.798x with launches; two blocks:
+    0.770x and 0.790x, where the step that writes the attention matrices is 0.83x
+    and 0.845x); the ideal (quantising for free) 0.678x. The goal of 0.72x lies above
+    the ideal here; it is not reached yet."""
+    hand, fp8 = flash_llama["hand_bf16"], flash_llama["filter_amp_fp8"]
+    assert fp8["time_s"] <= 0.79 * hand["time_s"]
+    assert fp8["time_s_with_launches"] <= 0.81 * hand["time_s_with_launches"]
+    ideal = _gpu_hlo.ideal_ratio(fp8, hand)
+    assert ideal == pytest.approx(0.678, abs=0.005)
