@@ -103,14 +103,20 @@ def test_fp8_where_it_pays_is_faster_than_bfloat16(roofline):
 def flash_llama():
     """The Llama-style step (one block of 4096, SwiGLU 14336, seq 4096, batch 1) with
     cuDNN's flash attention, as such a model is trained on a GPU, compiled for an
-    H100: hand-cast bfloat16's roofline and the fp8 step's."""
+    H100: hand-cast bfloat16's roofline, `autocast`'s and the fp8 step's."""
     return result_of_compile_script(
-        ROOFLINE_SCRIPT, "llama", "depth=1,attention=cudnn", "hand_bf16,filter_amp_fp8"
+        ROOFLINE_SCRIPT,
+        "llama",
+        "depth=1,attention=cudnn",
+        "hand_bf16,autocast_bf16,filter_amp_fp8",
     )
 
 
 def test_flash_attention_is_timed_as_its_gemms_and_stays_bfloat16(flash_llama):
     hand, fp8 = flash_llama["hand_bf16"], flash_llama["filter_amp_fp8"]
+    # `autocast` keeps the model's own cast of the attention's inputs to bfloat16,
+    # and the attention one cuDNN call: hand-cast's program.
+    assert flash_llama["autocast_bf16"] == hand
     # Causal: the forward's 2 GEMMs and the backward's 5, each 2 x 32 heads x 4096
     # x 4096 x 128, halved by the mask.
     attention = 7 * 2 * 32 * 4096 * 4096 * 128 * 0.5
