@@ -13,6 +13,7 @@ from .._fp8 import (
     FP8_PRIMITIVES,
     FP8_SCOPE,
     FP8_SKIPPED_SCOPE,
+    Fp8Product,
     Fp8Rule,
     known_fp8,
     product_in_fp8,
@@ -159,18 +160,14 @@ class _JaxprCasts(Hook):
         out_dtype = params.get("preferred_element_type") or widest_dtype(
             v.dtype for v in invals
         )
-        return [
-            product_in_fp8(
-                eqn,
-                *invals,
-                scaling=rule.scaling,
-                out_dtype=out_dtype,
-                only_eligible=True,
-                grad_dtype=self._reduce_dtype or self._compute_dtype,
-                pays_only=rule.pays_only,
-                weight=weight_operand(origins),
-            )
-        ]
+        how = Fp8Product(
+            rule.scaling,
+            out_dtype,
+            grad_dtype=self._reduce_dtype or self._compute_dtype,
+            pays_only=rule.pays_only,
+            weight=weight_operand(origins),
+        )
+        return [product_in_fp8(eqn, *invals, how)]
 
 
 # Why an fp8 rule leaves a product of two activations in the compute dtype.

@@ -40,6 +40,7 @@ from ._rules import MXFP8 as MXFP8
 from ._rules import NVFP4 as NVFP4
 from ._rules import ROWWISE as ROWWISE
 from ._rules import TENSORWISE as TENSORWISE
+from ._rules import Fp8Product as Fp8Product
 from ._rules import Fp8Rule as Fp8Rule
 from ._rules import product_in_fp8 as product_in_fp8
 from ._rules import traced_per_example as traced_per_example

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._core._cast import floating_dtype
-from ._rules import SCALINGS, Scaling, matmul_in_fp8
+from ._rules import SCALINGS, Fp8Product, Scaling, matmul_in_fp8
 
 
 def dot_general(
@@ -103,13 +103,11 @@ def dot_general(
     # The backward products emit `out_dtype` too (float32 where its range is too
     # small for their still-scaled sums): with power-of-two scales, rounding them
     # before unscaling gives the numbers rounding after would.
-    return matmul_in_fp8(
-        lhs,
-        rhs,
-        dimension_numbers,
+    how = Fp8Product(
         scaling,
         out_dtype,
-        False,
+        only_eligible=False,
         grad_dtype=out_dtype,
         weight=1 if scaling == "nvfp4_training" else None,
     )
+    return matmul_in_fp8(lhs, rhs, dimension_numbers, how)

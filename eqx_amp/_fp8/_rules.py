@@ -4,6 +4,7 @@ fp8 ones (their shapes permitting: `_shapes`)."""
 
 import contextlib
 import contextvars
+import dataclasses
 import functools as ft
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -48,6 +49,30 @@ BLOCK_SCALINGS = frozenset({"mxfp8", "nvfp4", "nvfp4_training"})
 # NVFP4 forward products: backward ones in MXFP8, or (`"nvfp4_training"`) in
 # NVFP4 by NVIDIA's recipe.
 NVFP4_SCALINGS = frozenset({"nvfp4", "nvfp4_training"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Product:
+    """How a product runs in fp8: the rule's choices and the call's dtypes.
+
+    ```python
+    how = Fp8Product("tensorwise", out_dtype=jnp.bfloat16, grad_dtype=jnp.bfloat16)
+    y = product_in_fp8(eqn, x, w, how)
+    ```
+    """
+
+    scaling: str
+    # The dtype of the product (and of a product that stays out of fp8).
+    out_dtype: Any
+    # Shapes an fp8 GEMM cannot take run in `out_dtype` (otherwise they are refused).
+    only_eligible: bool = True
+    # What the backward products emit.
+    grad_dtype: Any = jnp.float32
+    # A matmul whose fp8 GEMMs save less than its quantisation costs stays out.
+    pays_only: bool = False
+    # Which operand (0 or 1) is a parameter, if one is: NVIDIA's NVFP4 recipe
+    # quantises weights apart.
+    weight: int | None = None
 
 
 class Fp8Rule(GatheredInFp8):
@@ -254,16 +279,17 @@ def _variant(
     return rule.where_it_pays() if pays_only else rule
 
 
-def conv_in_fp8(lhs, rhs, params: dict, out_dtype, only_eligible: bool) -> Array:
-    """A convolution in fp8 (tensorwise); with `only_eligible`, one whose feature
-    counts an fp8 kernel cannot take runs in `out_dtype`, under a named scope that
-    gives the reason. Under `jax.vmap` the batched convolution decides."""
+def conv_in_fp8(lhs, rhs, params: dict, how: Fp8Product) -> Array:
+    """A convolution in fp8 (tensorwise, whatever `how.scaling`); with
+    `how.only_eligible`, one whose feature counts an fp8 kernel cannot take runs in
+    `how.out_dtype`, under a named scope that gives the reason. Under `jax.vmap`
+    the batched convolution decides."""
     params = {k: v for k, v in params.items() if k != "preferred_element_type"}
+    out_dtype = how.out_dtype
     if compat.is_batched(lhs) or compat.is_batched(rhs):
-        return _batched_as_one(
-            lax.conv_general_dilated_p, params, "tensorwise", out_dtype, only_eligible
-        )(lhs, rhs)
-    reason = fp8_conv_eligible(rhs.shape, params) if only_eligible else None
+        tensorwise = dataclasses.replace(how, scaling="tensorwise")
+        return _batched_as_one(lax.conv_general_dilated_p, params, tensorwise)(lhs, rhs)
+    reason = fp8_conv_eligible(rhs.shape, params) if how.only_eligible else None
     if reason is not None:
         with jax.named_scope(f"{FP8_SKIPPED_SCOPE}: {reason}"):
             return lax.conv_general_dilated_p.bind(
@@ -280,54 +306,23 @@ def conv_in_fp8(lhs, rhs, params: dict, out_dtype, only_eligible: bool) -> Array
 
 class _Fp8Dots(Hook):
     """Binds every `dot_general` and convolution of a program as an fp8 one (where
-    its shapes allow, if `only_eligible`)."""
+    its shapes allow, if `how.only_eligible`)."""
 
-    def __init__(
-        self, scaling, out_dtype, only_eligible, grad_dtype, pays_only, weight=None
-    ):
-        self.scaling, self.out_dtype = scaling, out_dtype
-        self.only_eligible, self.grad_dtype = only_eligible, grad_dtype
-        self.pays_only, self.weight = pays_only, weight
+    def __init__(self, how: Fp8Product):
+        self.how = how
 
     def equation(self, eqn, invals, origins, frame, evaluate):
         if eqn.primitive in FP8_PRIMITIVES:
-            return [
-                product_in_fp8(
-                    eqn,
-                    *invals,
-                    scaling=self.scaling,
-                    out_dtype=self.out_dtype,
-                    only_eligible=self.only_eligible,
-                    grad_dtype=self.grad_dtype,
-                    pays_only=self.pays_only,
-                    weight=self.weight,
-                )
-            ]
+            return [product_in_fp8(eqn, *invals, self.how)]
         return evaluate(invals)
 
 
-def product_in_fp8(
-    eqn,
-    lhs,
-    rhs,
-    scaling,
-    out_dtype,
-    only_eligible,
-    grad_dtype=jnp.float32,
-    pays_only: bool = False,
-    weight: int | None = None,
-) -> Array:
-    """`eqn` (a `dot_general` or a convolution) on `lhs`, `rhs` in fp8; convolutions
-    are scaled tensorwise. Matmuls' backward products emit `grad_dtype`; with
-    `pays_only`, a matmul whose fp8 GEMMs save less than its quantisation costs
-    (`fp8_cost_reason`) stays in `out_dtype`. `weight` is the operand (0 or 1)
-    that is a parameter, if one is (NVIDIA's NVFP4 recipe treats it apart)."""
+def product_in_fp8(eqn, lhs, rhs, how: Fp8Product) -> Array:
+    """`eqn` (a `dot_general` or a convolution) on `lhs`, `rhs` in fp8, as `how`
+    says; convolutions are scaled tensorwise."""
     if eqn.primitive is lax.conv_general_dilated_p:
-        return conv_in_fp8(lhs, rhs, eqn.params, out_dtype, only_eligible)
-    dims = eqn.params["dimension_numbers"]
-    return matmul_in_fp8(
-        lhs, rhs, dims, scaling, out_dtype, only_eligible, grad_dtype, pays_only, weight
-    )
+        return conv_in_fp8(lhs, rhs, eqn.params, how)
+    return matmul_in_fp8(lhs, rhs, eqn.params["dimension_numbers"], how)
 
 
 def weight_operand(origins) -> int | None:
@@ -336,21 +331,11 @@ def weight_operand(origins) -> int | None:
     return params[0] if len(params) == 1 else None
 
 
-def matmul_in_fp8(
-    lhs,
-    rhs,
-    dims,
-    scaling,
-    out_dtype,
-    only_eligible: bool,
-    grad_dtype=jnp.float32,
-    pays_only: bool = False,
-    weight: int | None = None,
-) -> Array:
-    """An fp8 matmul; with `only_eligible`, shapes an fp8 GEMM cannot take run in
-    `out_dtype` instead, under a named scope that gives the reason. Under
-    `jax.vmap` the shapes decided on are the batched ones. `weight`: as for
-    `product_in_fp8`."""
+def matmul_in_fp8(lhs, rhs, dims, how: Fp8Product) -> Array:
+    """An fp8 matmul, as `how` says: with `how.only_eligible`, shapes an fp8 GEMM
+    cannot take (and with `how.pays_only`, products that would not pay) run in
+    `how.out_dtype` instead, under a named scope that gives the reason. Under
+    `jax.vmap` the shapes decided on are the batched ones."""
     (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dims
     dims = (
         (tuple(lhs_contracting), tuple(rhs_contracting)),
@@ -360,22 +345,14 @@ def matmul_in_fp8(
         if current_supply() is not None:
             raise NotImplementedError(_DELAYED_BATCHED)
         params = {"dimension_numbers": dims}
-        return _batched_as_one(
-            lax.dot_general_p,
-            params,
-            scaling,
-            out_dtype,
-            only_eligible,
-            grad_dtype,
-            pays_only,
-            weight,
-        )(lhs, rhs)
+        return _batched_as_one(lax.dot_general_p, params, how)(lhs, rhs)
+    scaling, out_dtype, grad_dtype = how.scaling, how.out_dtype, how.grad_dtype
     reason = None
-    if only_eligible:
+    if how.only_eligible:
         reason = ineligible(scaling, lhs.shape, rhs.shape, dims)
     if reason is None and scaling in BLOCK_SCALINGS and _PER_EXAMPLE.get():
         reason = _PER_EXAMPLE_REASON
-    if reason is None and only_eligible and pays_only:
+    if reason is None and how.only_eligible and how.pays_only:
         reason = fp8_cost_reason(scaling, lhs.shape, rhs.shape, dims)
     if reason is not None or min(lhs.shape + rhs.shape, default=1) == 0:
         with jax.named_scope(f"{FP8_SKIPPED_SCOPE}: {reason or 'an empty product'}"):
@@ -390,7 +367,7 @@ def matmul_in_fp8(
     if scaling == "nvfp4_training":
         shapes = (lhs.shape, rhs.shape)
         matmul = nvfp4_matmul(
-            dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, weight
+            dims, shapes, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, how.weight
         )
         return matmul(*varying_alike(lhs, rhs), (None, None))
     if scaling in BLOCK_SCALINGS:
@@ -429,16 +406,7 @@ _DELAYED_BATCHED = (
 )
 
 
-def _batched_as_one(
-    primitive,
-    params,
-    scaling,
-    out_dtype,
-    only_eligible,
-    grad_dtype=jnp.float32,
-    pays_only: bool = False,
-    weight: int | None = None,
-):
+def _batched_as_one(primitive, params, how: Fp8Product):
     """Under `jax.vmap`, the batched product is one fp8 product: its scales cover
     the whole batch."""
 
@@ -449,22 +417,10 @@ def _batched_as_one(
 
     def op(lhs, rhs):
         if primitive is lax.conv_general_dilated_p:
-            return conv_in_fp8(lhs, rhs, params, out_dtype, only_eligible)
-        dims = params["dimension_numbers"]
-        return matmul_in_fp8(
-            lhs,
-            rhs,
-            dims,
-            scaling,
-            out_dtype,
-            only_eligible,
-            grad_dtype,
-            pays_only,
-            weight,
-        )
+            return conv_in_fp8(lhs, rhs, params, how)
+        return matmul_in_fp8(lhs, rhs, params["dimension_numbers"], how)
 
-    hook = _Fp8Dots(scaling, out_dtype, only_eligible, grad_dtype, pays_only, weight)
-    return batched_like(plain, op, hook)
+    return batched_like(plain, op, _Fp8Dots(how))
 
 
 class Fp8ParamsHook(Hook):
@@ -486,20 +442,16 @@ class Fp8ParamsHook(Hook):
                 return evaluate(invals)
         if eqn.primitive in FP8_PRIMITIVES and reads_params:
             out_dtype = eqn.outvars[0].aval.dtype
-            return [
-                product_in_fp8(
-                    eqn,
-                    *invals,
-                    scaling=self.scaling,
-                    out_dtype=out_dtype,
-                    only_eligible=True,
-                    # The weight gradients are summed (and GSPMD reduces them) in
-                    # the compute dtype, as the policy's reduce dtype is.
-                    grad_dtype=out_dtype,
-                    pays_only=self.pays_only,
-                    weight=weight_operand(origins),
-                )
-            ]
+            how = Fp8Product(
+                self.scaling,
+                out_dtype,
+                # The weight gradients are summed (and GSPMD reduces them) in
+                # the compute dtype, as the policy's reduce dtype is.
+                grad_dtype=out_dtype,
+                pays_only=self.pays_only,
+                weight=weight_operand(origins),
+            )
+            return [product_in_fp8(eqn, *invals, how)]
         return evaluate(invals)
 
 
