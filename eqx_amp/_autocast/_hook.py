@@ -167,7 +167,7 @@ class _JaxprCasts(Hook):
             pays_only=rule.pays_only,
             weight=weight_operand(origins),
         )
-        return [product_in_fp8(eqn, *invals, how)]
+        return [product_in_fp8(eqn, *invals, how=how)]
 
 
 # Why an fp8 rule leaves a product of two activations in the compute dtype.

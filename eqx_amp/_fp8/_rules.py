@@ -57,7 +57,7 @@ class Fp8Product:
 
     ```python
     how = Fp8Product("tensorwise", out_dtype=jnp.bfloat16, grad_dtype=jnp.bfloat16)
-    y = product_in_fp8(eqn, x, w, how)
+    y = product_in_fp8(eqn, x, w, how=how)
     ```
     """
 
@@ -313,11 +313,11 @@ class _Fp8Dots(Hook):
 
     def equation(self, eqn, invals, origins, frame, evaluate):
         if eqn.primitive in FP8_PRIMITIVES:
-            return [product_in_fp8(eqn, *invals, self.how)]
+            return [product_in_fp8(eqn, *invals, how=self.how)]
         return evaluate(invals)
 
 
-def product_in_fp8(eqn, lhs, rhs, how: Fp8Product) -> Array:
+def product_in_fp8(eqn, lhs, rhs, *, how: Fp8Product) -> Array:
     """`eqn` (a `dot_general` or a convolution) on `lhs`, `rhs` in fp8, as `how`
     says; convolutions are scaled tensorwise."""
     if eqn.primitive is lax.conv_general_dilated_p:
@@ -451,7 +451,7 @@ class Fp8ParamsHook(Hook):
                 pays_only=self.pays_only,
                 weight=weight_operand(origins),
             )
-            return [product_in_fp8(eqn, *invals, how)]
+            return [product_in_fp8(eqn, *invals, how=how)]
         return evaluate(invals)
 
 
