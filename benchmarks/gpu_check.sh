@@ -7,11 +7,14 @@
 #   3. fp8 training steps timed beside hand-cast bfloat16 at the GPT-2-small-like
 #      roofline size (RESULTS.md, "GPU results"; set GPT_VARIANTS for others);
 #   4. the step time telemetry adds there (its one-pass form, which a CPU does not
-#      run).
+#      run);
+#   5. fp8 timed beside hand-cast bfloat16 where the roofline says it pays: one
+#      Llama-3-8B-sized block at seq 4096 with cuDNN's flash attention (0.80x by
+#      the roofline with launches).
 # Each part has its own time limit, so a slow one leaves the others' output;
 # everything is written under $OUT (or ./gpu-out). Run from the repository root:
 #
-#     bash benchmarks/gpu_check.sh            # about 8 minutes
+#     bash benchmarks/gpu_check.sh            # about 10 minutes
 set -uo pipefail
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
@@ -40,3 +43,8 @@ timeout "${GPT_S:-150}" "$py" benchmarks/run.py --preset gpu --models gpt \
 timeout "${TELEMETRY_S:-120}" "$py" benchmarks/telemetry_overhead.py --preset gpu \
     --models gpt --config depth=4,batch=8 --steps 10 --repeats 3 2>&1 \
     | tee "$out/telemetry.log"
+
+timeout "${LLAMA_S:-150}" "$py" benchmarks/run.py --preset gpu --models llama \
+    --config depth=1,attention=cudnn --steps 12 \
+    --variants "${LLAMA_VARIANTS:-hand_bf16,filter_amp_fp8}" \
+    --json "$out/llama.json" --markdown "$out/llama.md" 2>&1 | tee "$out/llama.log"
