@@ -682,37 +682,42 @@ def test_mxfp8_counts_what_each_block_flushes():
     assert "float8_e4m3fn (mxfp8)" in tel.summary(top=50)
 
 
+# Rowwise and MXFP8 in the slow tier: the fast one measures MXFP8 casts in the
+# checkpointed and scanned cases below.
 @pytest.mark.filterwarnings("ignore:`filter_amp` casts the weights")
-def test_fp8_rows_say_how_each_cast_was_scaled():
+@pytest.mark.parametrize(
+    "rule, scaling",
+    [
+        (eqx_amp.fp8.TENSORWISE, "tensorwise"),
+        pytest.param(eqx_amp.fp8.ROWWISE, "rowwise", marks=pytest.mark.slow),
+        pytest.param(eqx_amp.fp8.MXFP8, "mxfp8", marks=pytest.mark.slow),
+    ],
+)
+def test_fp8_rows_say_how_each_cast_was_scaled(rule, scaling):
     mlp = eqx.nn.MLP(32, 32, 32, 2, key=jr.key(0))
     x = jr.normal(jr.key(1), (32, 32))
-    for rule, scaling in [
-        (eqx_amp.fp8.TENSORWISE, "tensorwise"),
-        (eqx_amp.fp8.ROWWISE, "rowwise"),
-        (eqx_amp.fp8.MXFP8, "mxfp8"),
-    ]:
-        amp = eqx_amp.filter_amp(mlp, policy=BF16, fp8=rule)
-        with warnings.catch_warnings():
-            # An MXFP8 product is a `cond` over the platforms' forms, not a `cond`
-            # whose products go unmeasured.
-            warnings.simplefilter("error")
-            _, tel = eqx.filter_jit(telemetry(_step))(amp, x)
-        rows = tel.rows()
-        fp8_rows = [r for r in rows if r.dtype.startswith("float8")]
-        assert fp8_rows and {r.scaling for r in fp8_rows} == {scaling}, rule
-        assert all(r.scaling is None for r in rows if r not in fp8_rows)
-        for i in range(3):
-            for role in ("weight", "activation", "output gradient"):
-                assert any(
-                    r.layer == f"model.layers[{i}]"
-                    and r.role == role
-                    and r.dtype.startswith("float8")
-                    for r in fp8_rows
-                ), (rule, i, role)
+    amp = eqx_amp.filter_amp(mlp, policy=BF16, fp8=rule)
+    with warnings.catch_warnings():
+        # An MXFP8 product is a `cond` over the platforms' forms, not a `cond`
+        # whose products go unmeasured.
+        warnings.simplefilter("error")
+        _, tel = eqx.filter_jit(telemetry(_step))(amp, x)
+    rows = tel.rows()
+    fp8_rows = [r for r in rows if r.dtype.startswith("float8")]
+    assert fp8_rows and {r.scaling for r in fp8_rows} == {scaling}, rule
+    assert all(r.scaling is None for r in rows if r not in fp8_rows)
+    for i in range(3):
+        for role in ("weight", "activation", "output gradient"):
             assert any(
-                r.layer == f"model.layers[{i}]" and r.role == "parameter gradient"
-                for r in rows
-            ), (rule, i)
+                r.layer == f"model.layers[{i}]"
+                and r.role == role
+                and r.dtype.startswith("float8")
+                for r in fp8_rows
+            ), (rule, i, role)
+        assert any(
+            r.layer == f"model.layers[{i}]" and r.role == "parameter gradient"
+            for r in rows
+        ), (rule, i)
 
 
 @pytest.mark.parametrize("remat", ["checkpoint", "filter_checkpoint"])

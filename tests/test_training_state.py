@@ -109,12 +109,19 @@ def _one_layer_mlp(key):
 
 
 # Every recipe through orbax in the slow tier: `tests/test_orbax.py` keeps orbax in
-# the fast one.
+# the fast one. `BiModel` with 8-bit moments too: the fast tier has each of them
+# (`BiModel` with bfloat16 moments, 8-bit moments with stochastic rounding).
 @pytest.mark.parametrize(
     "serialiser",
     ["tree_serialise_leaves", pytest.param("orbax", marks=pytest.mark.slow)],
 )
-@pytest.mark.parametrize("name", list(_recipes()))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n == "bimodel + 8-bit moments" else n
+        for n in _recipes()
+    ],
+)
 def test_state_serialises_and_resumes_bit_exactly(name, serialiser, tmp_path):
     from .test_orbax import restore_with_orbax, save_with_orbax
 
