@@ -120,10 +120,11 @@ def test_forward_reads_the_weight_in_16x16_tiles(getkey, shape):
     m, k, n = shape
     x, w = jr.normal(getkey(), (m, k)), jr.normal(getkey(), (k, n))
     expected = _nvfp4(np.asarray(x)) @ _nvfp4(np.asarray(w).T, tile_rows=16).T
-    _close(jax.jit(_product())(x, w), expected)
+    out = jax.jit(_product())(x, w)
+    _close(out, expected)
     # Not the forward-only rule's weight (one scale per 16 values of a row).
     plain = _nvfp4(np.asarray(x)) @ _nvfp4(np.asarray(w).T).T
-    assert not np.allclose(np.asarray(_product()(x, w)), plain)
+    assert not np.allclose(np.asarray(out), plain)
 
 
 @pytest.mark.parametrize("n", [48, 24])
@@ -173,32 +174,35 @@ def test_the_rotation_is_orthogonal_and_spreads_an_outlier(getkey):
 
 
 def test_stochastic_rounding_is_unbiased_and_keeps_grid_values():
+    # Compiled once a shape, rather than op by op.
+    round_ = jax.jit(_to_e2m1_stochastically)
+    uniform_ = jax.jit(_uniform, static_argnums=0)
     seed = jnp.uint32(12345)
     x = jnp.full((200_000,), 1.3)
-    rounded = np.asarray(_to_e2m1_stochastically(x, _uniform(x.shape, seed)))
+    rounded = np.asarray(round_(x, uniform_(x.shape, seed)))
     assert set(np.unique(rounded)) == {1.0, 1.5}
     assert abs(rounded.mean() - 1.3) < 0.005
     # A value that stays the same across steps is rounded up as often as its
     # distance to the grid says: the seed (its tensor's amax) changes.
     one = jnp.full((2_000, 1), 1.3)
     seeds = jnp.arange(2_000, dtype=jnp.uint32)
-    draws = jax.vmap(lambda seed: _uniform((1,), seed))(seeds)
-    ups = np.asarray(_to_e2m1_stochastically(one, draws)) == 1.5
+    draws = jax.vmap(lambda seed: uniform_((1,), seed))(seeds)
+    ups = np.asarray(round_(one, draws)) == 1.5
     assert abs(ups.mean() - 0.6) < 0.05
     on_grid = jnp.asarray(np.r_[-GRID, GRID])
     np.testing.assert_array_equal(
-        _to_e2m1_stochastically(on_grid, _uniform(on_grid.shape, seed)), on_grid
+        round_(on_grid, uniform_(on_grid.shape, seed)), on_grid
     )
     # Near the top of the grid: 5.9 goes to 4 or 6, never past 6.
     top = jnp.full((10_000,), -5.9)
-    rounded = np.asarray(_to_e2m1_stochastically(top, _uniform(top.shape, seed)))
+    rounded = np.asarray(round_(top, uniform_(top.shape, seed)))
     assert set(np.unique(rounded)) == {-6.0, -4.0}
-    uniform = np.asarray(_uniform((200, 1000), seed))
+    uniform = np.asarray(uniform_((200, 1000), seed))
     assert uniform.min() >= 0.0 and uniform.max() < 1.0
     counts, _ = np.histogram(uniform, bins=10, range=(0, 1))
     assert np.all(np.abs(counts - 20_000) < 1_000)
     # Another seed: another draw at every position.
-    other = np.asarray(_uniform((200, 1000), jnp.uint32(12346)))
+    other = np.asarray(uniform_((200, 1000), jnp.uint32(12346)))
     assert np.mean(other == uniform) < 1e-3
 
 
