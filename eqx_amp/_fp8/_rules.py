@@ -64,7 +64,8 @@ class Fp8Product:
     scaling: str
     # The dtype of the product (and of a product that stays out of fp8).
     out_dtype: Any
-    # Shapes an fp8 GEMM cannot take run in `out_dtype` (otherwise they are refused).
+    # Shapes an fp8 GEMM cannot take run in `out_dtype` (otherwise every product
+    # runs in fp8, as `eqx_amp.fp8.dot_general` asks by hand).
     only_eligible: bool = True
     # What the backward products emit.
     grad_dtype: Any = jnp.float32
