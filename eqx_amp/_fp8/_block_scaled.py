@@ -301,9 +301,7 @@ def block_scaled_matmul(
     @jax.named_scope(FP8_SCOPE)
     @jax.named_scope(MXFP8_SCOPE)
     def backward(residuals, cotangent):
-        residuals, known = residuals
-        (lhs_t, rhs_t), cotangent = _first_order_only((residuals, cotangent))
-        g3 = cotangent.reshape(_output_3d(lhs_shape, rhs_shape, dims))
+        (lhs_t, rhs_t), known, g3 = _backward_inputs(residuals, cotangent, shapes, dims)
         # d lhs (B, M, K) = g (B, M, N) . rhs^T (B, K, N): contracts N.
         dlhs3 = block_product(*_operands(mx_quantize(g3), rhs_t), grad_dtype)
         # d rhs^T (B, K, N) = lhs^T (B, K, M) . g^T (B, N, M): contracts M, and
@@ -399,9 +397,7 @@ def nvfp4_matmul(
     @jax.named_scope(FP8_SCOPE)
     @jax.named_scope(MXFP8_SCOPE)
     def backward(residuals, cotangent):
-        residuals, known = residuals
-        (lhs_t, rhs_t), cotangent = _first_order_only((residuals, cotangent))
-        g3 = cotangent.reshape(_output_3d(lhs_shape, rhs_shape, dims))
+        (lhs_t, rhs_t), known, g3 = _backward_inputs(residuals, cotangent, shapes, dims)
         with jax.named_scope(NVFP4_SCOPE):
             g_n = nv_quantize_along(g3, 2, rotated=rotated[1], stochastic=True)
             g_m = nv_quantize_along(g3, 1, rotated=rotated[0], stochastic=True)
@@ -413,6 +409,15 @@ def nvfp4_matmul(
 
     matmul.defvjp(forward, backward)
     return matmul
+
+
+def _backward_inputs(residuals, cotangent, shapes, dims) -> tuple:
+    """What a block-scaled matmul's backward pass starts from: its saved operand
+    forms, the recorded forms `known`, and the output gradient as `(batch, free,
+    free)`; a second derivative refused."""
+    residuals, known = residuals
+    operands, cotangent = _first_order_only((residuals, cotangent))
+    return operands, known, cotangent.reshape(_output_3d(*shapes, dims))
 
 
 def _gradients(dlhs3, drhs3, shapes, dims, dtypes, known) -> tuple:
