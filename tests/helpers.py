@@ -235,6 +235,24 @@ def run_repo_script(relative: str, *args: str, timeout: int = 900) -> str:
     return result.stdout
 
 
+def check_first_order_and_retracing(product, key) -> None:
+    """A by-hand fp8 product `product(x, w)` of 32 x 32 operands: its jitted gradient
+    runs, its second derivative is refused, `jit` gives the eager values, and a new
+    shape retraces to that shape's product."""
+    k1, k2, k3 = jr.split(key, 3)
+    x, w = jr.normal(k1, (32, 32)), jr.normal(k2, (32, 32))
+
+    def loss(w):
+        return jnp.sum(product(x, w) ** 2)
+
+    jax.jit(jax.grad(loss))(w)
+    with pytest.raises(NotImplementedError, match="first-order derivatives only"):
+        jax.jit(jax.hessian(loss))(w)
+    np.testing.assert_array_equal(product(x, w), jax.jit(product)(x, w))
+    wide, ones = jr.normal(k3, (64, 32)), jnp.ones((8, 64))
+    np.testing.assert_array_equal(jax.jit(product)(ones, wide), product(ones, wide))
+
+
 def rel_error(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-12))

@@ -27,7 +27,13 @@ import pytest
 
 import eqx_amp
 
-from .helpers import ROAD_VMAPS, batched_on_road, fp8_roads, scanned_linears
+from .helpers import (
+    ROAD_VMAPS,
+    batched_on_road,
+    check_first_order_and_retracing,
+    fp8_roads,
+    scanned_linears,
+)
 
 
 MATMUL = (((1,), (0,)), ((), ()))
@@ -275,24 +281,14 @@ def test_residuals_saved_in_mxfp8_form(getkey):
     assert mx == pytest.approx(bf16 * 33 / 64, rel=0.01)
 
 
-def test_second_order_refused(getkey):
-    x, w = jr.normal(getkey(), (32, 32)), jr.normal(getkey(), (32, 32))
-
-    def loss(w):
-        return jnp.sum(eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8") ** 2)
-
-    jax.jit(jax.grad(loss))(w)
-    with pytest.raises(NotImplementedError, match="first-order derivatives only"):
-        jax.jit(jax.hessian(loss))(w)
-
-
-def test_jit_matches_eager(getkey):
-    x, w = jr.normal(getkey(), (32, 64)), jr.normal(getkey(), (64, 32))
-
-    def f(x, w):
+def test_second_order_refused_and_jit_retraces(getkey):
+    def product(x, w):
         return eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8")
 
-    np.testing.assert_array_equal(f(x, w), jax.jit(f)(x, w))
+    check_first_order_and_retracing(product, getkey())
+    # A non-square product too.
+    x, w = jr.normal(getkey(), (32, 64)), jr.normal(getkey(), (64, 32))
+    np.testing.assert_array_equal(product(x, w), jax.jit(product)(x, w))
 
 
 def test_bad_scaling_named():

@@ -30,7 +30,13 @@ from jax.sharding import PartitionSpec as P
 
 import eqx_amp
 
-from .helpers import ROAD_VMAPS, batched_on_road, fp8_roads, scanned_linears
+from .helpers import (
+    ROAD_VMAPS,
+    batched_on_road,
+    check_first_order_and_retracing,
+    fp8_roads,
+    scanned_linears,
+)
 
 
 MATMUL = (((1,), (0,)), ((), ()))
@@ -280,21 +286,10 @@ def test_residuals_saved_in_mxfp8_form(getkey):
 
 
 def test_second_order_refused_and_jit_retraces(getkey):
-    x, w = jr.normal(getkey(), (32, 32)), jr.normal(getkey(), (32, 32))
+    def product(x, w):
+        return eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="nvfp4")
 
-    def loss(w):
-        return jnp.sum(eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="nvfp4") ** 2)
-
-    jax.jit(jax.grad(loss))(w)
-    with pytest.raises(NotImplementedError, match="first-order derivatives only"):
-        jax.jit(jax.hessian(loss))(w)
-    f = lambda x, w: eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="nvfp4")  # noqa: E731
-    np.testing.assert_array_equal(f(x, w), jax.jit(f)(x, w))
-    # A new shape retraces to that shape's product.
-    wide = jr.normal(getkey(), (64, 32))
-    np.testing.assert_array_equal(
-        jax.jit(f)(jnp.ones((8, 64)), wide), f(jnp.ones((8, 64)), wide)
-    )
+    check_first_order_and_retracing(product, getkey())
 
 
 #
