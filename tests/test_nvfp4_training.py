@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import jax.random as jr
 import ml_dtypes
 import numpy as np
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -42,6 +41,7 @@ from .helpers import (
     check_first_order_and_retracing,
     eqns_named,
     fp8_roads,
+    halves_its_loss_with_an_optax_chain,
     in_dtypes,
     traced,
 )
@@ -391,28 +391,10 @@ def test_every_road_runs_every_product_in_nvfp4(getkey, road, vmap):
 
 @pytest.mark.slow  # beside the fast tier's forward-only NVFP4 module
 def test_trains_with_an_optax_chain(getkey):
-    model = _model(getkey)
-    x = jr.normal(getkey(), (64, 64))
-    y = jnp.tanh(x[:, :32] * 2)
-    optimiser = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-3))
-    state = optimiser.init(eqx.filter(model, eqx.is_array))
+    def forward(model, x):
+        return eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=RULE)(x)
 
-    def loss(model):
-        out = eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=RULE)(x)
-        return jnp.mean((out.astype(jnp.float32) - y) ** 2)
-
-    @eqx.filter_jit
-    def step(model, state):
-        value, grads = eqx.filter_value_and_grad(loss)(model)
-        with jax.numpy_dtype_promotion("standard"):
-            updates, state = optimiser.update(grads, state, model)
-        return eqx.apply_updates(model, updates), state, value
-
-    first = None
-    for _ in range(60):
-        model, state, value = step(model, state)
-        first = value if first is None else first
-    assert float(value) < 0.5 * float(first)
+    assert halves_its_loss_with_an_optax_chain(_model(getkey), forward, getkey())
 
 
 @pytest.mark.slow  # beside the fast tier's forward-only NVFP4 module
