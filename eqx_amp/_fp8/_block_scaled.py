@@ -417,7 +417,8 @@ def _backward_inputs(residuals, cotangent, shapes, dims) -> tuple:
     free)`; a second derivative refused."""
     residuals, known = residuals
     operands, cotangent = _first_order_only((residuals, cotangent))
-    return operands, known, cotangent.reshape(_output_3d(*shapes, dims))
+    lhs_shape, rhs_shape = shapes
+    return operands, known, cotangent.reshape(_output_3d(lhs_shape, rhs_shape, dims))
 
 
 def _gradients(dlhs3, drhs3, shapes, dims, dtypes, known) -> tuple:
