@@ -13,8 +13,8 @@ import optax
 import pytest
 
 import eqx_amp
-from eqx_amp._optim._codec import block_statistics, encode
-from eqx_amp._optim._moments import _encode_all
+from eqx_amp._optim._codec import block_statistics, encode, encode_zeros
+from eqx_amp._optim._moments import _all_zero, _encode_all
 
 from .helpers import rel_error
 from .optim_helpers import (
@@ -419,6 +419,56 @@ def test_low_precision_moments_bad_input():
         optimizer.update({"w": jnp.ones(3)}, optax.adam(1e-3).init({"w": jnp.ones(3)}))
 
 
+@pytest.mark.parametrize("storage", ["bfloat16", "8bit"])
+def test_zero_moments_encode_as_encode_would_with_any_key(storage):
+    """An optimizer's initial moments are zeros: `init` encodes them from their
+    shape (`encode_zeros`, which compiles at once) and gets `encode`'s arrays bit for
+    bit, whatever the key: blocks along the last axis, through the flattened moment
+    with a partial last block, one block, 3-d."""
+    shapes = [(1,), (5,), (256,), (513,), (3, 512), (7, 300), (2, 3, 64)]
+    for shape in shapes:
+        for square_root in (False, True):
+            for block_size in (64, 256):
+                zeros = jnp.zeros(shape)
+                made = jax.jit(encode_zeros, static_argnums=(1, 2, 3))(
+                    zeros, storage, square_root, block_size
+                )
+                for seed in range(3):
+                    encoded = eqx.filter_jit(encode)(
+                        zeros, storage, square_root, block_size, jr.key(seed)
+                    )
+                    assert_bitwise_equal(made, encoded)
+
+
+def test_only_concrete_positive_zero_moments_take_the_shortcut():
+    moments = [jnp.zeros((4, 16)), jnp.ones((4, 16)), jnp.zeros((3,)).at[1].set(-0.0)]
+    moments.append(jnp.zeros((2, 2)).at[0, 0].set(jnp.nan))
+    assert _all_zero(moments) == (True, False, False, False)
+    assert _all_zero([]) == ()
+    # Under a trace the values are unknown: every moment is encoded.
+    traced = jax.jit(lambda m: jnp.asarray(_all_zero([m, m])))(jnp.zeros((4,)))
+    assert not bool(traced.any())
+
+
+def test_init_keeps_what_is_not_zero():
+    # An optimizer whose second moment starts at 0.1 (Adagrad's accumulator): its
+    # moments are encoded, not taken for zeros.
+    params = {"w": jnp.ones((8, 256))}
+    for storage in ("bfloat16", "8bit"):
+        optimizer = eqx_amp.optim.low_precision_moments(
+            optax.adagrad(0.1, initial_accumulator_value=0.1), storage
+        )
+        state = optimizer.init(params)
+        (stored,) = [
+            leaf
+            for leaf in jax.tree.leaves(
+                state, is_leaf=lambda x: isinstance(x, eqx_amp.optim.QuantizedMoment)
+            )
+            if isinstance(leaf, eqx_amp.optim.QuantizedMoment)
+        ]
+        assert jnp.allclose(stored.decode(), 0.1, rtol=0.02)
+
+
 @pytest.mark.parametrize("storage", ["8bit", "bfloat16"])
 def test_moments_of_one_shape_are_encoded_together_bit_for_bit(storage):
     """`init` encodes the moments of one shape and kind with one batched encode (its
@@ -427,10 +477,14 @@ def test_moments_of_one_shape_are_encoded_together_bit_for_bit(storage):
     moments = [jr.normal(jr.key(i), (24, 40)) * 10.0 ** (i - 2) for i in range(4)]
     moments[1] = moments[1].at[3, 4].set(jnp.inf)
     moments += [jnp.abs(jr.normal(jr.key(9), (37,)))] * 3 + [jnp.zeros((7, 5))]
-    square_roots = (False, True, False, True, True, True, True, False)
+    moments += [jnp.zeros((7, 5)).at[2, 3].set(-0.0)]
+    square_roots = (False, True, False, True, True, True, True, False, False)
     moments = [jnp.abs(m) if r else m for m, r in zip(moments, square_roots)]
     keys = list(jr.split(jr.key(5), len(moments)))
-    together = _encode_all(moments, square_roots, keys, storage, 256)
+    all_zero = _all_zero(moments)
+    # A -0.0 is not +0: `encode` keeps its sign.
+    assert all_zero == (False,) * 7 + (True, False)
+    together = _encode_all(moments, square_roots, keys, storage, 256, all_zero)
     for moment, root, key, got in zip(moments, square_roots, keys, together):
         alone = eqx.filter_jit(encode)(moment, storage, root, 256, key)
         assert jtu.tree_structure(got) == jtu.tree_structure(alone)

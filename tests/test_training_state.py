@@ -207,6 +207,7 @@ _LAST_AXIS = """
 w = jax.device_put(jnp.ones((16, 4096)), NamedSharding(mesh, P(None, "data")))
 optimizer = eqx_amp.optim.low_precision_moments(optax.adam(1e-3), "8bit")
 state = optimizer.init({"w": w})
+initial = state.inner_state[0].mu["w"]
 update = jax.jit(optimizer.update)
 hlo = update.lower({"w": w}, state).compile().as_text()
 _, new = update({"w": w}, state)
@@ -215,6 +216,8 @@ report["last axis"] = {
     "gathers": hlo.count("all-gather"),
     "values": list(mu.values.sharding.spec),
     "scales": list(mu.scales.sharding.spec),
+    # Initialised (all zero: `encode_zeros`) where the weight lives too.
+    "initial": [list(initial.values.sharding.spec), list(initial.scales.sharding.spec)],
 }
 """
 
@@ -227,6 +230,7 @@ def test_sharded_states_keep_their_shardings():
         "gathers": 0,
         "values": [None, "data"],
         "scales": [None, "data"],
+        "initial": [[None, "data"], [None, "data"]],
     }
     for name, result in report.items():
         assert all(result["same"]), name
