@@ -79,6 +79,9 @@ class LlamaShape:
     seq: int
     hosts: int
     per_host: int = 8
+    # "xla": `jax.nn.dot_product_attention`'s XLA implementation, which writes each
+    # block's attention matrices; "cudnn": cuDNN's flash attention, which does not.
+    attention: str = "xla"
 
     @property
     def devices(self) -> int:
@@ -88,7 +91,8 @@ class LlamaShape:
         return (
             f"{self.depth} blocks, d_model {self.width}, {self.heads}/{self.kv_heads} "
             f"heads, SwiGLU {self.hidden}, vocab {self.vocab}, seq {self.seq}, "
-            f"1 sequence per device, {self.hosts} hosts x {self.per_host} H100"
+            f"1 sequence per device, {self.hosts} hosts x {self.per_host} H100, "
+            f"attention by {'cuDNN (flash)' if self.attention == 'cudnn' else 'XLA'}"
         )
 
 
@@ -133,7 +137,13 @@ def build_model(shape: LlamaShape, key, batch_sharding=None):
             q = jax.vmap(self.query)(x).reshape(seq, self.heads, head)
             k = jax.vmap(self.key)(x).reshape(seq, self.kv_heads, head)
             v = jax.vmap(self.value)(x).reshape(seq, self.kv_heads, head)
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            if shape.attention == "cudnn":
+                # cuDNN takes half precision only: a float32 step's q, k, v go in
+                # as bfloat16, as a model written for it casts them.
+                q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
+            out = jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation=shape.attention
+            ).astype(x.dtype)
             return jax.vmap(self.output)(out.reshape(seq, width))
 
     class Block(eqx.Module):
@@ -198,7 +208,6 @@ def build_model(shape: LlamaShape, key, batch_sharding=None):
             x, _ = jax.lax.scan(body, _split_batch(x), dynamic)
             return jax.vmap(jax.vmap(self.head))(jax.vmap(jax.vmap(self.norm))(x))
 
-    del jnp
     return Llama(key)
 
 
@@ -409,6 +418,10 @@ def compile_step(shape: LlamaShape, state_kind: str, products: str, devices):
         - memory.alias_size_in_bytes
         + memory.temp_size_in_bytes,
         "collectives": collectives_per_step(text),
+        "attention": shape.attention,
+        # cuDNN's flash attention, forward and backward (each block's, once: the
+        # scan body is compiled once).
+        "fused_attention_calls": text.count('custom_call_target="__cudnn$fmha'),
         "compile_s": compile_s,
     }
 
@@ -581,6 +594,8 @@ def main(argv=None) -> int:
                         help="hosts of 8 H100s instead of the model's")  # fmt: skip
     parser.add_argument("--states", default=",".join(STATES))
     parser.add_argument("--products", default=",".join(PRODUCTS))
+    parser.add_argument("--attention", choices=("xla", "cudnn"), default="xla",
+                        help="cudnn: flash attention (no attention matrices)")  # fmt: skip
     parser.add_argument("--json", help="append each row, as a JSON line, here")
     args = parser.parse_args(argv)
     import h100_aot
@@ -594,6 +609,7 @@ def main(argv=None) -> int:
         shape = dataclasses.replace(shape, depth=args.depth)
     if args.hosts:
         shape = dataclasses.replace(shape, hosts=args.hosts)
+    shape = dataclasses.replace(shape, attention=args.attention)
     devices = topology_devices(shape.hosts, shape.per_host)
     print(f"Llama-shaped: {shape.describe()}", flush=True)
     rows = []

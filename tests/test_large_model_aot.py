@@ -34,16 +34,20 @@ NOMINAL = {
 }
 
 
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory):
+def compiled_rows(tmp_path_factory, *options: str) -> list[dict]:
     out = tmp_path_factory.mktemp("large_model") / "rows.jsonl"
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", "test", "--products", "bf16",
-         "--json", str(out)],
+        [sys.executable, str(SCRIPT), "--model", "test", *options, "--json", str(out)],
         capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    return {r["state"]: r for r in map(json.loads, out.read_text().splitlines())}
+    return list(map(json.loads, out.read_text().splitlines()))
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    rows = compiled_rows(tmp_path_factory, "--products", "bf16")
+    return {r["state"]: r for r in rows}
 
 
 @pytest.mark.parametrize("state", sorted(NOMINAL))
@@ -67,3 +71,24 @@ def test_weights_are_gathered_in_bfloat16(rows):
         c = row["collectives"]
         assert c.get("all-gather bf16", 0) > 0, state
         assert c.get("all-gather f32", 0) < 0.01 * c["all-gather bf16"], state
+
+
+def test_flash_attention_keeps_the_state_split(tmp_path_factory, rows):
+    # `--attention cudnn`: cuDNN's flash attention inside the scanned, checkpointed
+    # blocks, the FSDP split unchanged, for bfloat16 and fp8 products.
+    assert rows["f32_adam"]["attention"] == "xla"
+    assert rows["f32_adam"]["fused_attention_calls"] == 0
+    rows = compiled_rows(
+        tmp_path_factory, "--attention", "cudnn", "--states", "f32_adam",
+        "--products", "bf16,fp8",
+    )  # fmt: skip
+    assert [r["products"] for r in rows] == ["bf16", "fp8"]
+    for row in rows:
+        assert row["attention"] == "cudnn"
+        # The forward call, and the backward's (with the forward recomputed for it).
+        assert row["fused_attention_calls"] >= 2, row["products"]
+        assert (
+            row["argument_bytes"]
+            == row["state_bytes_per_device"] + row["batch_bytes_per_device"]
+        )
+        assert row["state_bytes_per_weight"] == pytest.approx(12.0, abs=0.01)
