@@ -267,8 +267,8 @@ def encode_zeros(
     codes = jnp.where(position == 0, OUTLIER_CODE, zero.astype(jnp.int32))
     codes = codes + blocks.astype(jnp.int32)  # + 0
     values = _unblock(codes.astype(jnp.uint8), moment.shape)
-    scales = blocks[..., 0].astype(jnp.bfloat16)
-    return QuantizedMoment(values, scales, scales, square_root, block_size)
+    scales, outliers = (blocks[..., 0].astype(jnp.bfloat16) for _ in range(2))
+    return QuantizedMoment(values, scales, outliers, square_root, block_size)
 
 
 def _round_up_to_bfloat16(x: Array) -> Array:
