@@ -100,7 +100,7 @@ SHAPES = {
     "8b": LlamaShape(128256, 4096, 32, 32, 8, 14336, 4096, hosts=2),
     "70b": LlamaShape(128256, 8192, 80, 64, 8, 28672, 4096, hosts=8),
     # What the slow test compiles: seconds, not minutes.
-    "test": LlamaShape(512, 256, 2, 4, 2, 512, 128, hosts=2, per_host=4),
+    "test": LlamaShape(512, 256, 8, 4, 2, 512, 128, hosts=2, per_host=4),
 }
 
 
@@ -313,13 +313,14 @@ def topology_devices(hosts: int, per_host: int = 8) -> list:
     return devices
 
 
-def fsdp_spec(path, leaf, n: int):
-    """The partition of one array of the state: along its first axis that divides
-    by `n` (a stacked block weight's layer axis excepted), replicated if none does
-    or if it is not floating (PRNG keys, step counters) and too small to matter."""
+def fsdp_spec(path: str, leaf, n: int):
+    """The partition of one array of the state (at `path`): along its first axis
+    that divides by `n` (a stacked block weight's layer axis excepted), replicated
+    if none does or if it is not floating (PRNG keys, step counters) and too small
+    to matter."""
     from jax.sharding import PartitionSpec
 
-    start = 1 if "blocks" in _keystr(path) else 0
+    start = 1 if "blocks" in path else 0
     for axis in range(start, leaf.ndim):
         if leaf.shape[axis] % n == 0 and leaf.shape[axis] >= n:
             return PartitionSpec(*([None] * axis), "fsdp")
@@ -332,17 +333,41 @@ def _keystr(path) -> str:
     return jtu.keystr(path)
 
 
-def sharded_specs(tree, mesh, n: int):
-    """`tree`'s arrays as `jax.ShapeDtypeStruct`s sharded by `fsdp_spec`."""
+def sharded_specs(tree, mesh, n: int, named: dict[int, str]):
+    """`tree`'s arrays as `jax.ShapeDtypeStruct`s sharded by `fsdp_spec`, each at
+    its path in `tree` or, if there, at its path `named` by `id` (`_model_paths`)."""
     import jax
     from jax.sharding import NamedSharding
 
     def one(path, x):
+        path = named.get(id(x), _keystr(path))
         return jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=NamedSharding(mesh, fsdp_spec(path, x, n))
         )
 
     return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _model_paths(tree) -> dict[int, str]:
+    """The path in the model of each array of a `BiModel`'s compute copy in `tree`
+    (whole: not `eqx.partition`ed, whose `None`s would misalign the copy), by `id`:
+    the `BiModel` stores that copy as a flat tuple beside the master, whose paths
+    would not say which arrays are stacked block weights (split along their layer
+    axis, each device would hold whole layers, and XLA gathers the activations
+    instead of the weights)."""
+    import jax.tree_util as jtu
+
+    import eqx_amp
+
+    def is_bimodel(x):
+        return isinstance(x, eqx_amp.BiModel)
+
+    named = {}
+    for node in jtu.tree_leaves(tree, is_leaf=is_bimodel):
+        if is_bimodel(node):
+            for path, leaf in jtu.tree_flatten_with_path(node.compute)[0]:
+                named[id(leaf)] = jtu.keystr(path)
+    return named
 
 
 def per_device_bytes(specs) -> int:
@@ -381,7 +406,7 @@ def compile_step(shape: LlamaShape, state_kind: str, products: str, devices):
             new_state, loss = step(eqx.combine(dynamic, static), tokens, labels)
             return eqx.filter(new_state, eqx.is_array), loss
 
-        state_specs = sharded_specs(dynamic, mesh, n)
+        state_specs = sharded_specs(dynamic, mesh, n, _model_paths(state))
         token = jax.ShapeDtypeStruct(
             (n, shape.seq),
             jnp.int32,

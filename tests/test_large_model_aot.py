@@ -64,6 +64,16 @@ def test_arguments_are_the_state_shard_and_the_batch(rows, state):
     assert row["state_bytes_per_device"] == pytest.approx(per_device, rel=0.002)
 
 
+def test_a_bimodel_gathers_the_weights_the_others_gather(rows):
+    # The test model's 8 stacked layers divide by its 8 devices: a compute copy
+    # split along its layer axis (each device holding whole layers) made XLA gather
+    # the activations instead, 6x these bytes.
+    gathered = {
+        state: row["collectives"]["all-gather bf16"] for state, row in rows.items()
+    }
+    assert gathered["amp_f32_master"] == pytest.approx(gathered["f32_adam"], rel=0.01)
+
+
 def test_weights_are_gathered_in_bfloat16(rows):
     # FSDP gathers each block's weights where the scan needs them, cast to the
     # compute dtype first: bfloat16 bytes, never float32 ones of a float32 master.
