@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
