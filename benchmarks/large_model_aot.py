@@ -99,7 +99,8 @@ class LlamaShape:
 SHAPES = {
     "8b": LlamaShape(128256, 4096, 32, 32, 8, 14336, 4096, hosts=2),
     "70b": LlamaShape(128256, 8192, 80, 64, 8, 28672, 4096, hosts=8),
-    # What the slow test compiles: seconds, not minutes.
+    # What the slow test compiles: seconds, not minutes. Its 8 layers divide by its 8
+    # devices, so a split along the layer axis would be taken (and is tested against).
     "test": LlamaShape(512, 256, 8, 4, 2, 512, 128, hosts=2, per_host=4),
 }
 
