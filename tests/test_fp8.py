@@ -166,6 +166,41 @@ def test_fp8_dot_general_errors():
         eqx_amp.fp8.dot_general(x, x, MATMUL, out_dtype=jnp.float8_e4m3fn)
 
 
+@pytest.mark.parametrize(
+    "scaling", ["tensorwise", "rowwise", "mxfp8", "nvfp4", "nvfp4_training"]
+)
+def test_fp8_dot_general_refuses_what_lax_refuses(scaling):
+    # Contracting (4, 8) against (8, 4): the block-scaled products flatten each
+    # group of axes, so without the check they paired the wrong values.
+    lhs, rhs = jnp.ones((5, 4, 8)), jnp.ones((4, 8, 6))
+    with pytest.raises(TypeError, match="contracting dimensions to have the same"):
+        eqx_amp.fp8.dot_general(lhs, rhs, (((1, 2), (1, 0)), ((), ())), scaling=scaling)
+    batched = (((2,), (2,)), ((0, 1), (1, 0)))
+    lhs, rhs = jnp.ones((2, 3, 32)), jnp.ones((2, 3, 32))
+    with pytest.raises(TypeError, match="batch dimensions to have the same shape"):
+        eqx_amp.fp8.dot_general(lhs, rhs, batched, scaling=scaling)
+    with pytest.raises(TypeError, match="dimension numbers to be nonnegative"):
+        eqx_amp.fp8.dot_general(
+            jnp.ones((16, 32)),
+            jnp.ones((32, 16)),
+            (((-1,), (0,)), ((), ())),
+            scaling=scaling,
+        )
+
+
+@pytest.mark.parametrize("scaling", ["nvfp4", "nvfp4_training"])
+def test_nvfp4_by_hand_needs_a_contracting_size_of_sixteens(scaling):
+    with pytest.raises(ValueError, match="their size, 24, must be a multiple of 16"):
+        eqx_amp.fp8.dot_general(
+            jnp.ones((16, 24)), jnp.ones((24, 16)), MATMUL, scaling=scaling
+        )
+    outer = (((), ()), ((), ()))
+    with pytest.raises(ValueError, match="their size, 1, must be a multiple of 16"):
+        eqx_amp.fp8.dot_general(
+            jnp.ones((16,)), jnp.ones((16,)), outer, scaling=scaling
+        )
+
+
 #
 # autocast's fp8 rules.
 #

@@ -1,9 +1,12 @@
 """`eqx_amp.fp8.dot_general`: one fp8 matmul, by hand."""
 
+import functools as ft
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array
 
 from .._core._cast import floating_dtype
@@ -49,7 +52,7 @@ def dot_general(
     With `scaling="nvfp4"` the forward product is NVFP4: each operand's values in
     `float4_e2m1fn` with an e4m3 scale per 16 along the contracting axes and a
     power-of-two float32 scale for the tensor (the contracting size must be a
-    multiple of 16); its backward products are MXFP8's. A block whose scale falls
+    multiple of 16, or `ValueError`); its backward products are MXFP8's. A block whose scale falls
     below e4m3's range (2**-17 of the largest block's) is flushed to zero. With
     `scaling="nvfp4_training"` the backward products are NVFP4 too, by NVIDIA's
     recipe, `rhs` taken as the weight: `rhs` quantised in 16 x 16 tiles (the
@@ -89,6 +92,7 @@ def dot_general(
                 f"`eqx_amp.fp8.dot_general` multiplies floating arrays, but `{name}` is "
                 f"{jnp.result_type(operand)}."
             )
+    _check_shapes(lhs, rhs, dimension_numbers, scaling)
     if out_dtype is None:
         with jax.numpy_dtype_promotion("standard"):
             out_dtype = jnp.result_type(lhs, rhs)
@@ -111,3 +115,23 @@ def dot_general(
         weight=1 if scaling == "nvfp4_training" else None,
     )
     return matmul_in_fp8(lhs, rhs, dimension_numbers, how)
+
+
+def _check_shapes(lhs: Array, rhs: Array, dimension_numbers: Any, scaling: str) -> None:
+    """Raises `lax.dot_general`'s own error for dimension numbers it refuses (the
+    block-scaled products flatten the axes they are given, so they would pair the
+    wrong values rather than fail), and `ValueError` for an NVFP4 product whose
+    contracting size its 16-value blocks do not divide."""
+    spec = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in (lhs, rhs)]
+    jax.eval_shape(
+        ft.partial(lax.dot_general, dimension_numbers=dimension_numbers), *spec
+    )
+    if scaling in ("nvfp4", "nvfp4_training"):
+        (contracting, _), _ = dimension_numbers
+        size = math.prod(jnp.shape(lhs)[a] for a in contracting)
+        if size % 16:
+            raise ValueError(
+                f"`scaling={scaling!r}` quantises each 16 values along the "
+                f"contracting axes with one scale: their size, {size}, must be a "
+                "multiple of 16 (`'mxfp8'` pads to its blocks of 32)."
+            )
