@@ -170,15 +170,42 @@ def test_block_of_zeros_and_one_huge_value(getkey):
     np.testing.assert_array_equal(q_with[3, 96:], q_without[3, 96:])
 
 
-def test_float32_subnormals(getkey):
-    x = jr.normal(getkey(), (32, 64)) * 1e-40  # float32 subnormals
-    w = jr.normal(getkey(), (64, 32))
-    y = eqx_amp.fp8.dot_general(x, w, MATMUL, scaling="mxfp8", out_dtype=jnp.float32)
-    assert bool(jnp.all(jnp.isfinite(y)))
-    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    # e8m0's smallest scale, 2**-127, still holds them as e4m3 values; the
-    # product is the one of the rounded values, flushed only below float32's range.
-    assert np.max(np.abs(np.asarray(y) - exact)) <= 0.2 * np.max(np.abs(exact))
+@pytest.mark.parametrize("scaling", ["mxfp8", "nvfp4"])
+def test_the_ends_of_float32s_range(getkey, scaling):
+    """Blocks whose e8m0 scales are float32 subnormals (2**-127: amaxes below about
+    2.6e-36) or whose values round up to 2**128 (float32's largest) multiply as the
+    GEMM would: a CPU reads a subnormal factor as zero, and a dequantised 2**128 is
+    inf, where the products are normal numbers. (NVFP4's backward products are
+    MXFP8's.)"""
+
+    def product_and_grads(x, w, g):
+        def f(x, w):
+            return eqx_amp.fp8.dot_general(
+                x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32
+            )
+
+        y, pullback = jax.vjp(f, x, w)
+        return (y, *pullback(g))
+
+    def assert_close(got, want, rtol):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.all(np.isfinite(got))
+        assert np.linalg.norm(got - want) <= rtol * np.linalg.norm(want)
+
+    x, w = jr.normal(getkey(), (32, 64)), jr.normal(getkey(), (64, 32)) * 1e3
+    g = jr.normal(getkey(), (32, 32)) * 1e-37  # normal float32 numbers
+    _, dx, _ = product_and_grads(x, w, g)
+    assert_close(dx, np.asarray(g, np.float64) @ np.asarray(w, np.float64).T, 0.1)
+    if scaling == "mxfp8":  # NVFP4's forward scales are not e8m0
+        tiny = x * 1e-37
+        y, _, _ = product_and_grads(tiny, w, g)
+        assert_close(y, np.asarray(tiny, np.float64) @ np.asarray(w, np.float64), 0.1)
+    largest = float(jnp.finfo(jnp.float32).max)
+    huge = jnp.ones((32, 32)).at[0, 0].set(largest)
+    w = jnp.full((32, 32), 1e-3)
+    y, _, dw = product_and_grads(huge, w, jnp.full((32, 32), 1e-3))
+    assert_close(y, np.asarray(huge, np.float64) @ np.asarray(w, np.float64), 0.05)
+    assert_close(dw, np.asarray(huge, np.float64).T @ np.full((32, 32), 1e-3), 0.05)
 
 
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])

@@ -123,12 +123,35 @@ def mx_dequantize(values: Array, scales: Array, dtype: Any) -> Array:
     return jnp.clip(_in_float32(values, scales), -largest, largest).astype(dtype)
 
 
-def _in_float32(values: Array, scales: Array) -> Array:
+def _in_float32(values: Array, scales: Array, shift: Array | None = None) -> Array:
     """Block-scaled values times their scales (one per block along the last axis:
-    32 values for MXFP8, 16 for NVFP4), in float32 (exact)."""
+    32 values for MXFP8, 16 for NVFP4), in float32 (exact where the result is a
+    normal number); MXFP8's e8m0 scales times `2**-shift` (int32, broadcast
+    against the scales), if given."""
     block = values.shape[-1] // scales.shape[-1]
     blocks = values.astype(jnp.float32).reshape(*values.shape[:-1], -1, block)
-    return (blocks * scales.astype(jnp.float32)[..., None]).reshape(values.shape)
+    if scales.dtype != E8M0:
+        return (blocks * scales.astype(jnp.float32)[..., None]).reshape(values.shape)
+    exponents = _exponents(scales) - (0 if shift is None else shift)
+    return _times_power_of_two(blocks, exponents[..., None]).reshape(values.shape)
+
+
+def _exponents(scales: Array) -> Array:
+    """The power of two of each e8m0 scale, as int32 (-127 to 127)."""
+    return lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32) - 127
+
+
+def _times_power_of_two(x: Array, exponent: Array) -> Array:
+    """`x * 2**exponent` (float32 `x`, int32 `exponent` in [-254, 254]) in three
+    factors, each a normal float32 (at most 2**85 either way): a CPU reads a
+    subnormal factor, such as e8m0's 2**-127, as zero, and one factor of 2**(a +
+    b) could leave float32's range where the result does not. The partial products
+    lie between `x` and the result, so they are normal where both are."""
+    for parts in (3, 2, 1):
+        piece = jnp.floor_divide(exponent, parts)
+        x = x * lax.bitcast_convert_type((piece + 127) << 23, jnp.float32)
+        exponent = exponent - piece
+    return x
 
 
 def _known_3d(known: tuple[Array, Array]) -> tuple[Array, Array]:
@@ -159,12 +182,29 @@ def _portable_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
 
 
 def _cpu_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
-    return lax.dot_general(
-        _in_float32(lhs, lhs_scales),
-        _in_float32(rhs, rhs_scales),
-        (((2,), (2,)), ((0,), (0,))),
+    dims = (((2,), (2,)), ((0,), (0,)))
+    if lhs_scales.dtype != E8M0:  # NVFP4: e4m3 block scales, no range to guard
+        return lax.dot_general(
+            _in_float32(lhs, lhs_scales),
+            _in_float32(rhs, rhs_scales),
+            dims,
+            preferred_element_type=jnp.float32,
+        ).astype(dtype)
+    # e8m0 scales span 2**-127 to 2**127: dequantised as they are, a block near
+    # float32's largest would be inf and one near its smallest flushed, where the
+    # GEMM applies both operands' scales to the product. So each row is dequantised
+    # relative to its largest scale, and the two rows' scales are applied to the
+    # product: the same float32 sums, shifted by powers of two.
+    lhs_top = jnp.max(_exponents(lhs_scales), axis=2, keepdims=True)
+    rhs_top = jnp.max(_exponents(rhs_scales), axis=2, keepdims=True)
+    product = lax.dot_general(
+        _in_float32(lhs, lhs_scales, lhs_top),
+        _in_float32(rhs, rhs_scales, rhs_top),
+        dims,
         preferred_element_type=jnp.float32,
-    ).astype(dtype)
+    )
+    shift = lhs_top + jnp.swapaxes(rhs_top, 1, 2)  # (B, M, 1) + (B, 1, N)
+    return _times_power_of_two(product, shift).astype(dtype)
 
 
 def block_product(lhs, rhs, lhs_scales, rhs_scales, dtype) -> Array:
