@@ -42,6 +42,7 @@ from ._core._wrapper import user_stacklevel
 from ._filter_amp._filter_amp import check_fp8_options, filter_amp
 from ._fp8 import Fp8Rule
 from ._loss_scaling._scaled_step import GradThrough
+from ._optim._rounding import round_to_nearest
 from ._optim._updates import add_in_float32, paired_leaves
 
 
@@ -302,7 +303,7 @@ class BiModel(GradThrough, Generic[_P, _T]):
         wide_leaves, master_def = jtu.tree_flatten(master)
         _check_master_fits(master, self.policy, updated=True)
         new_leaves = [
-            total if total is leaf else total.astype(leaf.dtype)
+            total if total is leaf else round_to_nearest(total, leaf.dtype)
             for total, leaf in zip(wide_leaves, jtu.tree_leaves(self.master))
         ]
         master = jtu.tree_unflatten(master_def, new_leaves)

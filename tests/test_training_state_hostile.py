@@ -86,8 +86,10 @@ _TINY = [
     float(jnp.finfo(BF16).smallest_subnormal),  # the smallest subnormals
     float(jnp.finfo(jnp.float16).smallest_subnormal),
 ]
-_WEIGHTS = [0.0, -0.0, 1.0, -3.0, BF16_MAX, -BF16_MAX, *_TINY, 1e-3, 7.0]
-_UPDATES = [1e-3, 0.0, 2**-10, -(2**-12), 1.0, -1e38, *_TINY, 0.0, 1e37]
+# The last pair's float32 sum is finite but rounds past bfloat16's largest: it is
+# held at the largest (as nearest rounding within range would), not stored as inf.
+_WEIGHTS = [0.0, -0.0, 1.0, -3.0, BF16_MAX, -BF16_MAX, *_TINY, 1e-3, 7.0, BF16_MAX]
+_UPDATES = [1e-3, 0.0, 2**-10, -(2**-12), 1.0, -1e38, *_TINY, 0.0, 1e37, 1e36]
 
 
 def _compensated_update(name):

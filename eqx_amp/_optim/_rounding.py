@@ -137,6 +137,19 @@ def stochastic_round(x: Array, dtype: Any, key: PRNGKeyArray) -> Array:
     return jnp.where(jnp.isfinite(x), value, x.astype(dtype))
 
 
+def round_to_nearest(x: Array, dtype: Any) -> Array:
+    """`x` rounded to the nearest value of `dtype`, a finite `x` past `dtype`'s
+    largest held at the largest, as `stochastic_round` holds it: a weight whose sum
+    with its update a float32 holds is never stored as inf (a bfloat16 within
+    float32's range but past bfloat16's largest would round to inf). inf and NaN
+    round as they are; complex values as `astype` rounds them."""
+    rounded = x.astype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return rounded
+    largest = jnp.finfo(dtype).max
+    return jnp.where(jnp.isfinite(x), jnp.clip(rounded, -largest, largest), rounded)
+
+
 def kahan_add(weight: Array, update: Array, compensation: Array) -> tuple[Array, Array]:
     """`weight + update` rounded to the weight's dtype, with what the rounding lost
     carried in `compensation` (the weight's dtype) to the next step.
@@ -145,9 +158,9 @@ def kahan_add(weight: Array, update: Array, compensation: Array) -> tuple[Array,
     """
     wide = jnp.float32
     total = update.astype(wide) + compensation.astype(wide)
-    new = (weight.astype(wide) + total).astype(weight.dtype)
+    new = round_to_nearest(weight.astype(wide) + total, weight.dtype)
     lost = total - (new.astype(wide) - weight.astype(wide))
-    return new, lost.astype(compensation.dtype)
+    return new, round_to_nearest(lost, compensation.dtype)
 
 
 def exact_update(new: Array, weight: Array) -> Array:

@@ -28,6 +28,7 @@ from ._rounding import (
     kahan_add,
     key_impl,
     raw_key_data,
+    round_to_nearest,
     stochastic_round,
     wrap_key,
 )
@@ -189,9 +190,8 @@ def master_weights(
         def step_to(master, update, new, param):
             if master is None:
                 return update
-            return new.astype(param.dtype).astype(master.dtype) - param.astype(
-                master.dtype
-            )
+            rounded = round_to_nearest(new, param.dtype)
+            return rounded.astype(master.dtype) - param.astype(master.dtype)
 
         new_updates = jtu.tree_map(
             step_to, state.master, updates, new_view, params, is_leaf=is_none

@@ -7,6 +7,7 @@ from jaxtyping import PyTree
 
 from .._core._cast import at_least_float32, is_inexact_array
 from .._core._describe import describe, first_line, is_none
+from ._rounding import round_to_nearest
 
 
 UPDATE_FOR_NON_FLOAT = (
@@ -127,4 +128,4 @@ def add_rounded_once(update: Any, param: Any) -> Any:
     `update` is None."""
     if update is None:
         return param
-    return add_in_float32(param, update).astype(param.dtype)
+    return round_to_nearest(add_in_float32(param, update), param.dtype)
