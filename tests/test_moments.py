@@ -372,8 +372,9 @@ def _block_statistics(moments, square_roots):
 
 def test_eight_bit_block_statistics_in_one_pass():
     # One reduction finds each block's largest element (a NaN above every number,
-    # the first of equals), its signed value and the largest magnitude of the
-    # rest, for several moments at once: as an argmax and a max of the rest would.
+    # the first of equals), its signed value and the largest finite magnitude of
+    # the rest (a second inf or NaN is stored as the largest is), for several
+    # moments at once: as an argmax and a max of the rest would.
     rng = np.random.default_rng(0)
     mu = rng.integers(-3, 4, (6, 512)).astype(np.float32)  # many ties
     mu[0, 5], mu[0, 9], mu[1, 300] = np.nan, np.nan, np.inf
@@ -391,6 +392,7 @@ def test_eight_bit_block_statistics_in_one_pass():
         outlier = np.take_along_axis(blocks, index[..., None], -1)[..., 0]
         rest = np.abs(blocks)
         np.put_along_axis(rest, index[..., None], 0.0, -1)
+        rest = np.where(np.isfinite(rest), rest, 0.0)
         np.testing.assert_array_equal(stats.index, index)
         np.testing.assert_array_equal(stats.outlier, outlier + 0.0)  # -0.0 -> 0.0
         np.testing.assert_array_equal(stats.second, np.max(rest, axis=-1))

@@ -80,10 +80,12 @@ class QuantizedMoment(eqx.Module):
         shape either way (so a sharded moment keeps its sharding).
     - `scales`: for 8-bit storage, what the map's values are multiplied by in each
         block of `block_size` consecutive elements (row-major): the magnitude of
-        the block's second largest element, rounded up to bfloat16 (divided by
-        the top point of the map, 0.993, for square roots); `None` for bfloat16.
+        the block's second largest finite element, rounded up to bfloat16
+        (divided by the top point of the map, 0.993, for square roots); `None`
+        for bfloat16.
     - `outliers`: for 8-bit storage, the largest element of each block (code
-        255), in bfloat16; `None` for bfloat16.
+        255, which every other inf or NaN of the block takes too), in bfloat16;
+        `None` for bfloat16.
     - `square_root`: whether the square root of the (non-negative) moment is stored.
     """
 
@@ -120,7 +122,7 @@ class BlockStatistics(eqx.Module):
 
     index: Array  # int32, the position of the largest element within its block
     outlier: Array  # float32, the largest element (signed; a NaN is the largest)
-    second: Array  # float32, the magnitude of the largest of the others
+    second: Array  # float32, the largest finite magnitude of the others
 
 
 def block_statistics(
@@ -160,7 +162,9 @@ def block_statistics(
             )
             a_wins = (a_key > b_key) | ((a_key == b_key) & (a_index < b_index))
             loser = jnp.abs(jnp.where(a_wins, b_value, a_value))
-            # `maximum` keeps a NaN, as `jnp.max` of the rest does.
+            # Finite only: a second inf or NaN is stored as the outlier is
+            # (`encode`), so the rest keep a finite scale.
+            loser = jnp.where(jnp.isfinite(loser), loser, 0.0)
             second = jnp.maximum(jnp.maximum(a_second, b_second), loser)
             out += [
                 jnp.where(a_wins, a_index, b_index),
@@ -241,7 +245,11 @@ def encode(
         codes = jnp.where(normalised > 0, jnp.maximum(codes, 1), codes)
     # The unsigned map's top point is the outlier's code, never a rounding's (a
     # value at the top of the rest could round up to it by a float32 ulp).
-    codes = jnp.where(is_outlier, OUTLIER_CODE, jnp.minimum(codes, OUTLIER_CODE - 1))
+    # A second inf or NaN (two gradients whose second moments overflow, in one
+    # block) takes the outlier's code too, and decodes as the outlier, which is
+    # then not finite either: the others keep their finite scale.
+    held_aside = is_outlier | ~jnp.isfinite(blocks)
+    codes = jnp.where(held_aside, OUTLIER_CODE, jnp.minimum(codes, OUTLIER_CODE - 1))
     values = _unblock(codes.astype(jnp.uint8), moment.shape)
     outliers = stochastic_round(statistics.outlier, jnp.bfloat16, outlier_key)
     return QuantizedMoment(values, scales, outliers, square_root, block_size)
