@@ -414,6 +414,16 @@ def test_low_precision_moments_bad_input():
         eqx_amp.optim.low_precision_moments(optax.adam(1e-3), "4bit")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"`block_size` must be a positive integer"):
         eqx_amp.optim.low_precision_moments(optax.adam(1e-3), "8bit", block_size=0)
+    for not_a_size in (True, np.True_, 64.0):
+        with pytest.raises(ValueError, match=r"`block_size` must be a positive"):
+            eqx_amp.optim.low_precision_moments(
+                optax.adam(1e-3), "8bit", block_size=not_a_size
+            )
+    # A NumPy integer is an integer.
+    state = eqx_amp.optim.low_precision_moments(
+        optax.adam(1e-3), "8bit", block_size=np.int64(64)
+    ).init({"w": jnp.zeros((2, 128))})
+    assert state.inner_state[0].mu["w"].block_size == 64
     with pytest.raises(TypeError, match=r"needs a PRNG key"):
         eqx_amp.optim.low_precision_moments(optax.adam(1e-3), key=0)  # type: ignore[arg-type]
     optimizer = eqx_amp.optim.low_precision_moments(optax.adam(1e-3))

@@ -67,6 +67,18 @@ def test_kahan_summation_notices_weights_that_changed_dtype():
         optimizer.update({"w": jnp.full(3, 1e-3)}, state, promoted)
 
 
+def test_apply_updates_refuses_a_complex_update_of_a_real_weight():
+    # The sum would drop the imaginary part; a complex weight takes one.
+    with pytest.raises(
+        ValueError,
+        match=r"`updates` must hold floating arrays .* it has an array of dtype "
+        r"complex64 .* where `params` has an array of dtype bfloat16",
+    ):
+        eqx_amp.optim.apply_updates({"w": jnp.ones(3, BF16)}, {"w": jnp.full(3, 1j)})
+    new = eqx_amp.optim.apply_updates({"w": jnp.full(3, 1j)}, {"w": jnp.full(3, 1j)})
+    np.testing.assert_array_equal(new["w"], jnp.full(3, 2j))
+
+
 def test_compensated_updates_take_none_for_a_whole_submodule():
     model = small_mlp(jr.key(0), BF16)
     params = float_params(model)

@@ -24,6 +24,7 @@ Two things keep the compressed moments honest:
 """
 
 import dataclasses
+import numbers
 import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -33,6 +34,7 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 import optax
 from jaxtyping import Array, Int, PRNGKeyArray, UInt32
 
@@ -225,13 +227,14 @@ def low_precision_moments(
             f"got {storage!r}.{hint}"
         )
     if (
-        isinstance(block_size, bool)
-        or not isinstance(block_size, int)
+        isinstance(block_size, bool | np.bool_)
+        or not isinstance(block_size, numbers.Integral)
         or block_size < 1
     ):
         raise ValueError(
             f"`block_size` must be a positive integer, but got {block_size!r}."
         )
+    block_size = int(block_size)  # a NumPy integer too, held as static data
     if key is None:
         key = jax.random.key(0)
     check_key(key, "`low_precision_moments`")

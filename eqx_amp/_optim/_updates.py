@@ -2,6 +2,7 @@
 
 from typing import Any
 
+import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
@@ -64,7 +65,9 @@ def check_update(update: Any, param: Any, name: str, what: str = "updates") -> N
                 what=what, update=describe(update), name=name, param=describe(param)
             )
         ) from None
-    if not is_inexact_array(update) or update.shape != param.shape:
+    # A complex update of a real weight would lose its imaginary part in the sum.
+    complex_into_real = jnp.iscomplexobj(update) and not jnp.iscomplexobj(param)
+    if not is_inexact_array(update) or update.shape != param.shape or complex_into_real:
         raise ValueError(
             BAD_UPDATE.format(
                 what=what,
