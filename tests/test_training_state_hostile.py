@@ -271,6 +271,27 @@ def test_eight_bit_block_with_a_huge_gradient_keeps_the_others(overflowing):
         assert bool(jnp.all(jnp.abs(got["w"]) <= 1.1e-3))  # about the learning rate
 
 
+def test_a_field_name_two_optimizers_use_is_read_by_its_state():
+    # `v`: Adafactor's second moment of the weights it does not factor (never
+    # negative: stored as a square root, kept off zero), Adan's signed first moment
+    # of gradient differences.
+    params = {"w": jnp.ones((8, 256)), "b": jnp.ones(256)}
+    adafactor = eqx_amp.optim.low_precision_moments(optax.adafactor(1e-2), "8bit")
+    factored = jax.eval_shape(adafactor.init, params).inner_state[0]
+    assert isinstance(factored, optax.FactoredState)
+    assert factored.v["b"].square_root and factored.v_row["w"].square_root
+    adan = eqx_amp.optim.low_precision_moments(optax.adan(1e-2), "8bit")
+    adan_state = jax.eval_shape(adan.init, params).inner_state[0]
+    assert not adan_state.v["w"].square_root and adan_state.n["w"].square_root
+    # Gradients four decades apart in one block: the small weights' second moments
+    # stay above zero, so their Adafactor steps stay near float32's.
+    grads = {"w": jnp.ones((8, 256)), "b": jnp.ones(256).at[::2].set(1e-4)}
+    reference, _, _ = _run(optax.adafactor(1e-2), params, [grads] * 5)
+    updates, _, _ = _run(adafactor, params, [grads] * 5)
+    small = np.asarray(updates[-1]["b"][::2]) / np.asarray(reference[-1]["b"][::2])
+    assert np.median(np.abs(small - 1)) < 0.2
+
+
 @functools.cache
 @jax.jit
 def _edge_blocks():

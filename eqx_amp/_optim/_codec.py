@@ -22,9 +22,10 @@ MOMENT_STORAGES: tuple[MomentStorage, ...] = ("bfloat16", "8bit")
 # The fields of optax's states that hold moments: running statistics of the
 # gradients, one per weight. Those never negative (second moments, sums of squares)
 # are stored as square roots: Adam/AdamW/AdaBelief/RMSProp's `nu`, AMSGrad's
-# `nu_max`, Adagrad's `sum_of_squares`, Adafactor's factored `v_row`/`v_col`,
-# AdaDelta's `e_g`/`e_x`, Adan's `n`. Signed ones: first moments (`mu`, Adan's `m`
-# and `v`), momentum's `trace`, `ema`. Other per-weight state (the gradients
+# `nu_max`, Adagrad's `sum_of_squares`, Adafactor's factored `v_row`/`v_col` and
+# unfactored `v` (`_moments._moment_kind` tells it from Adan's), AdaDelta's
+# `e_g`/`e_x`, Adan's `n`. Signed ones: first moments (`mu`, Adan's `m` and `v`),
+# momentum's `trace`, `ema`. Other per-weight state (the gradients
 # `MultiSteps` accumulates, lookahead's slow weights, schedule-free's `z`) is not a
 # moment: stored coarsely, it would move the weights themselves.
 NONNEGATIVE_MOMENTS = frozenset(

@@ -75,18 +75,38 @@ def _is_moment(node: Any) -> bool:
     return isinstance(node, QuantizedMoment)
 
 
-def _moment_kind(path: tuple) -> bool | None:
-    """For a subtree of the optimizer state shaped like the parameters, at `path`:
+def _moment_kind(path: tuple, state: Any) -> bool | None:
+    """For a subtree of the optimizer `state` shaped like the parameters, at `path`:
     `True` for a non-negative moment, `False` for a signed one, `None` for state
-    that is not a moment."""
+    that is not a moment. By the field's name, and for a name two optimizers use,
+    by the state it is a field of: Adafactor's `v` is the second moment of the
+    weights it does not factor, Adan's the first moment of gradient differences."""
     if not path or not isinstance(path[-1], jtu.GetAttrKey):
         return None
     name = path[-1].name
+    if name == "v" and isinstance(_node_at(state, path[:-1]), optax.FactoredState):
+        return True
     if name in NONNEGATIVE_MOMENTS:
         return True
     if name in SIGNED_MOMENTS:
         return False
     return None
+
+
+def _node_at(tree: Any, path: tuple) -> Any:
+    """The node of `tree` at `path` (attribute, sequence and dict keys), or None
+    where a key cannot be followed."""
+    node = tree
+    for key in path:
+        if isinstance(key, jtu.GetAttrKey):
+            node = getattr(node, key.name, None)
+        elif isinstance(key, jtu.SequenceKey):
+            node = node[key.idx] if isinstance(node, list | tuple) else None
+        elif isinstance(key, jtu.DictKey):
+            node = node.get(key.key) if isinstance(node, dict) else None
+        else:
+            return None
+    return node
 
 
 def _shaped_like(node: Any, params: Any) -> bool:
@@ -155,8 +175,8 @@ def low_precision_moments(
     copies, so chains and schedules work unchanged. Other per-weight state (the
     gradients `optax.MultiSteps` accumulates, schedule-free's `z`) is kept as it
     is: stored coarsely, it would move the weights. Non-negative moments (`nu`,
-    `nu_max`, `sum_of_squares`, `v_row`, `v_col`, `n`, `e_g`, `e_x`) are stored as
-    their square roots. Encoding rounds stochastically, so the moments stay
+    `nu_max`, `sum_of_squares`, `v_row`, `v_col`, Adafactor's `v`, `n`, `e_g`,
+    `e_x`) are stored as their square roots. Encoding rounds stochastically, so the moments stay
     unbiased however small a step's change.
 
     - `"bfloat16"`: 2 bytes per value (float32's range, 8 significant bits).
@@ -297,7 +317,8 @@ class _MomentStore:
         kinds = {
             jtu.keystr(path): kind
             for path, node in nodes
-            if shaped_like_params(node) and (kind := _moment_kind(path)) is not None
+            if shaped_like_params(node)
+            and (kind := _moment_kind(path, state)) is not None
         }
         count = sum(
             sum(map(_is_compressible, jtu.tree_leaves(node)))
