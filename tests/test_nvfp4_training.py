@@ -463,3 +463,35 @@ def test_telemetry_rows_say_nvfp4_for_every_product(getkey):
     assert first["weight"] == pytest.approx(
         float(jnp.max(jnp.abs(model.layers[0].weight))), rel=1e-2
     )
+
+
+@pytest.mark.parametrize("case", ["x near float32's largest", "x tiny", "g tiny"])
+def test_the_rotated_weight_gradient_at_the_ends_of_float32s_range(case):
+    """The weight gradient's rotated inputs: a block's rotated values reach 4 times
+    its largest, so a tensor near float32's largest is rotated scaled down by a
+    power of two (its tensor scale carries it), and the rotation's quarters are
+    taken after its sums, which a CPU would read as zero for values near float32's
+    smallest normal. The product stays finite and within NVFP4's error where
+    float32's is a normal number (before: NaN, and all zeros)."""
+    keys = jr.split(jr.key(0), 3)
+    x = jr.uniform(keys[0], (64, 64), minval=-1.0, maxval=1.0)
+    w, g = jr.normal(keys[1], (64, 32)), jr.normal(keys[2], (64, 32))
+    if case == "x near float32's largest":
+        x, g = x * 3e38, g * 1e-3
+    elif case == "x tiny":
+        x = jnp.sign(x) * 2e-38
+    else:
+        g = jnp.sign(g) * 2e-38
+
+    def product(x, w):
+        return eqx_amp.fp8.dot_general(
+            x, w, MATMUL, scaling="nvfp4_training", out_dtype=jnp.float32
+        )
+
+    _, dw = jax.vjp(product, x, w)[1](g)
+    exact = np.asarray(x, np.float64).T @ np.asarray(g, np.float64)
+    assert bool(jnp.all(jnp.isfinite(dw)))
+    error = np.linalg.norm(np.asarray(dw, np.float64) - exact)
+    # Four-bit operands, one of them rounded stochastically: about 0.18 at
+    # ordinary magnitudes, 0.34 for these +-2e-38 tensors.
+    assert error <= 0.5 * np.linalg.norm(exact)

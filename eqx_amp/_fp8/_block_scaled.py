@@ -429,9 +429,13 @@ def nvfp4_matmul(
         # Made after the product, which tells `telemetry` whose input they are.
         with jax.named_scope(NVFP4_SCOPE):
             if lhs_t is None:
-                lhs_t = nv_quantize_along(lhs3, 1, rotated=rotated[0])
+                lhs_t = nv_quantize_along(
+                    lhs3, 1, rotated=rotated[0], tensor_scale=lhs_q[2]
+                )
             if rhs_t is None:
-                rhs_t = nv_quantize_along(rhs3, 1, rotated=rotated[1])
+                rhs_t = nv_quantize_along(
+                    rhs3, 1, rotated=rotated[1], tensor_scale=rhs_q[2]
+                )
         return out, ((lhs_t, rhs_t), known)
 
     @jax.named_scope(FP8_SCOPE)
@@ -439,6 +443,11 @@ def nvfp4_matmul(
     def backward(residuals, cotangent):
         (lhs_t, rhs_t), known, g3 = _backward_inputs(residuals, cotangent, shapes, dims)
         with jax.named_scope(NVFP4_SCOPE):
+            # Not bounded by the other form's tensor scale, as the forward's
+            # operand is: that would order the two passes over `g3`, which XLA
+            # otherwise reads once for both (19 kernels more in a B200 compile
+            # of a Llama-style block). A gradient near float32's largest makes
+            # a weight gradient past it whatever its rotation.
             g_n = nv_quantize_along(g3, 2, rotated=rotated[1], stochastic=True)
             g_m = nv_quantize_along(g3, 1, rotated=rotated[0], stochastic=True)
         # d lhs (B, M, K) = g (B, M, N) . rhs^T (B, K, N): contracts N.

@@ -100,7 +100,12 @@ def nv_quantize_tiles(
 
 
 def nv_quantize_along(
-    x3: Array, axis: int, *, rotated: bool = False, stochastic: bool = False
+    x3: Array,
+    axis: int,
+    *,
+    rotated: bool = False,
+    stochastic: bool = False,
+    tensor_scale: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     """`x3` of shape `(B, R, C)` in NVFP4 along `axis` (1 or 2), with that axis last
     and padded with zeros to a multiple of 16 (`nv_quantize` of `(B, R, C')`, or of
@@ -108,16 +113,27 @@ def nv_quantize_along(
     With `rotated`, each block of 16 along it is multiplied by `hadamard_16` first,
     as NVIDIA's recipe does to both inputs of a weight gradient: the rotation
     spreads a block's outlier over the block, and since it is orthogonal, the
-    product of two operands rotated alike is unchanged."""
+    product of two operands rotated alike is unchanged. `tensor_scale`, the tensor
+    scale of `x3`'s unrotated form: a tensor near float32's largest is rotated
+    scaled down by a power of two (exactly; its tensor scale carries it), since a
+    block's rotated values reach 4 times its largest."""
     x = _padded(x3.astype(jnp.float32), axis)
+    shrink = None
     if rotated:
+        if tensor_scale is not None:
+            # The tensor scale maps the amax to at most 1792 (2**11): below 2**120
+            # after the shrink, which is 1 unless the amax passes about 2**109.
+            shrink = lax.stop_gradient(jnp.minimum(tensor_scale * 2.0**109, 1.0))
+            x = x * shrink
         # Rotated where it lies, before any transpose, and rounded to bfloat16:
         # XLA writes the rotated copy to memory, and this halves it (compiled for
         # a B200, 0.55 GB against 0.90 for a 4096 x 14336 operand; 2.3 GB as
         # butterflies). bfloat16's rounding, 2**-9, is far below e2m1's.
         x = hadamard_16(x, axis).astype(jnp.bfloat16).astype(jnp.float32)
     x = jnp.swapaxes(x, 1, 2) if axis == 1 else x
-    return nv_quantize(x, stochastic=stochastic)
+    values, block_scales, scale = nv_quantize(x, stochastic=stochastic)
+    # The values are of `x * shrink`: dividing by `scale * shrink` gives `x`'s.
+    return values, block_scales, scale if shrink is None else scale * shrink
 
 
 # The random signs of the Hadamard rotation: one vector for every product and step,
@@ -133,8 +149,9 @@ def _sylvester(n: int) -> np.ndarray:
     return h
 
 
-# `diag(signs) @ H / 4`: orthogonal (`H @ H.T == 16 I`), its entries +-1/4.
-_ROTATION = (np.diag(_SIGNS) @ _sylvester(NV_BLOCK) / 4).astype(np.float32)
+# `diag(signs) @ H`, its entries +-1: `/ 4` makes it orthogonal (`H @ H.T == 16 I`).
+_SIGNED_HADAMARD = (np.diag(_SIGNS) @ _sylvester(NV_BLOCK)).astype(np.float32)
+_ROTATION = _SIGNED_HADAMARD / 4
 
 
 def hadamard_16(x: Array, axis: int = -1) -> Array:
@@ -143,14 +160,16 @@ def hadamard_16(x: Array, axis: int = -1) -> Array:
     matrix: an orthogonal matrix, so `hadamard_16(a) @ hadamard_16(b).T == a @ b.T`
     up to rounding. Written as a broadcast product summed over the block, which
     XLA makes one kernel reading `x` once (four butterfly stages of sums and
-    differences were four kernels, each writing the whole tensor)."""
+    differences were four kernels, each writing the whole tensor). The quarter is
+    taken after the sum (the same numbers: a power of two): quarters of values near
+    float32's smallest normal would be subnormal, which a CPU reads as zero."""
     axis = axis % x.ndim
     shape = x.shape
     blocks = x.reshape(*shape[:axis], -1, NV_BLOCK, 1, *shape[axis + 1 :])
-    rotation = jnp.asarray(_ROTATION).reshape(
+    signs = jnp.asarray(_SIGNED_HADAMARD).reshape(
         (1,) * (axis + 1) + (NV_BLOCK, NV_BLOCK) + (1,) * (x.ndim - axis - 1)
     )
-    return jnp.sum(blocks * rotation, axis=axis + 1).reshape(shape)
+    return (jnp.sum(blocks * signs, axis=axis + 1) * 0.25).reshape(shape)
 
 
 def _padded(x: Array, axis: int) -> Array:
