@@ -123,17 +123,21 @@ def mx_dequantize(values: Array, scales: Array, dtype: Any) -> Array:
     return jnp.clip(_in_float32(values, scales), -largest, largest).astype(dtype)
 
 
-def _in_float32(values: Array, scales: Array, shift: Array | None = None) -> Array:
+def _in_float32(values: Array, scales: Array) -> Array:
     """Block-scaled values times their scales (one per block along the last axis:
-    32 values for MXFP8, 16 for NVFP4), in float32 (exact where the result is a
-    normal number); MXFP8's e8m0 scales times `2**-shift` (int32, broadcast
-    against the scales), if given."""
+    32 values for MXFP8, 16 for NVFP4), in float32: exact, but that a finite MXFP8
+    block whose values round up to 2**128 (an amax within one e4m3 step of
+    float32's largest) is held at float32's largest, as the GEMM, which applies
+    both operands' scales to the product, would give a finite product of it."""
     block = values.shape[-1] // scales.shape[-1]
     blocks = values.astype(jnp.float32).reshape(*values.shape[:-1], -1, block)
     if scales.dtype != E8M0:
         return (blocks * scales.astype(jnp.float32)[..., None]).reshape(values.shape)
-    exponents = _exponents(scales) - (0 if shift is None else shift)
-    return _times_power_of_two(blocks, exponents[..., None]).reshape(values.shape)
+    # e8m0 scales reach 2**-127, a float32 subnormal, which a CPU reads as zero:
+    # applied as normal factors instead.
+    scaled = _times_power_of_two(blocks, _exponents(scales)[..., None])
+    largest = np.float32(jnp.finfo(jnp.float32).max)
+    return lax.clamp(-largest, scaled, largest).reshape(values.shape)
 
 
 def _exponents(scales: Array) -> Array:
@@ -142,15 +146,13 @@ def _exponents(scales: Array) -> Array:
 
 
 def _times_power_of_two(x: Array, exponent: Array) -> Array:
-    """`x * 2**exponent` (float32 `x`, int32 `exponent` in [-254, 254]) in three
-    factors, each a normal float32 (at most 2**85 either way): a CPU reads a
-    subnormal factor, such as e8m0's 2**-127, as zero, and one factor of 2**(a +
-    b) could leave float32's range where the result does not. The partial products
-    lie between `x` and the result, so they are normal where both are."""
-    for parts in (3, 2, 1):
-        piece = jnp.floor_divide(exponent, parts)
+    """`x * 2**exponent` (float32 `x`, int32 `exponent` in [-127, 127]) in two
+    factors, each a normal float32 (at most 2**64 either way): a CPU reads a
+    subnormal factor, such as e8m0's 2**-127, as zero. The partial product lies
+    between `x` and the result, so it is normal where both are."""
+    half = lax.shift_right_arithmetic(exponent, 1)  # rounded down
+    for piece in (half, exponent - half):
         x = x * lax.bitcast_convert_type((piece + 127) << 23, jnp.float32)
-        exponent = exponent - piece
     return x
 
 
@@ -182,29 +184,12 @@ def _portable_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
 
 
 def _cpu_product(lhs, rhs, lhs_scales, rhs_scales, dtype):
-    dims = (((2,), (2,)), ((0,), (0,)))
-    if lhs_scales.dtype != E8M0:  # NVFP4: e4m3 block scales, no range to guard
-        return lax.dot_general(
-            _in_float32(lhs, lhs_scales),
-            _in_float32(rhs, rhs_scales),
-            dims,
-            preferred_element_type=jnp.float32,
-        ).astype(dtype)
-    # e8m0 scales span 2**-127 to 2**127: dequantised as they are, a block near
-    # float32's largest would be inf and one near its smallest flushed, where the
-    # GEMM applies both operands' scales to the product. So each row is dequantised
-    # relative to its largest scale, and the two rows' scales are applied to the
-    # product: the same float32 sums, shifted by powers of two.
-    lhs_top = jnp.max(_exponents(lhs_scales), axis=2, keepdims=True)
-    rhs_top = jnp.max(_exponents(rhs_scales), axis=2, keepdims=True)
-    product = lax.dot_general(
-        _in_float32(lhs, lhs_scales, lhs_top),
-        _in_float32(rhs, rhs_scales, rhs_top),
-        dims,
+    return lax.dot_general(
+        _in_float32(lhs, lhs_scales),
+        _in_float32(rhs, rhs_scales),
+        (((2,), (2,)), ((0,), (0,))),
         preferred_element_type=jnp.float32,
-    )
-    shift = lhs_top + jnp.swapaxes(rhs_top, 1, 2)  # (B, M, 1) + (B, 1, N)
-    return _times_power_of_two(product, shift).astype(dtype)
+    ).astype(dtype)
 
 
 def block_product(lhs, rhs, lhs_scales, rhs_scales, dtype) -> Array:
