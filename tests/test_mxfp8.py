@@ -68,11 +68,11 @@ def _mxfp8_reference(x, w, g):
     return y, dx, dw
 
 
-@jax.jit
-def _product_and_grads(x, w, g):
+@ft.partial(jax.jit, static_argnames="scaling")
+def _product_and_grads(x, w, g, scaling="mxfp8"):
     def product(x, w):
         return eqx_amp.fp8.dot_general(
-            x, w, MATMUL, scaling="mxfp8", out_dtype=jnp.float32
+            x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32
         )
 
     y, pullback = jax.vjp(product, x, w)
@@ -178,14 +178,7 @@ def test_the_ends_of_float32s_range(getkey, scaling):
     inf, where the products are normal numbers. (NVFP4's backward products are
     MXFP8's.)"""
 
-    def product_and_grads(x, w, g):
-        def f(x, w):
-            return eqx_amp.fp8.dot_general(
-                x, w, MATMUL, scaling=scaling, out_dtype=jnp.float32
-            )
-
-        y, pullback = jax.vjp(f, x, w)
-        return (y, *pullback(g))
+    product_and_grads = ft.partial(_product_and_grads, scaling=scaling)
 
     def assert_close(got, want, rtol):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
