@@ -75,38 +75,30 @@ def _is_moment(node: Any) -> bool:
     return isinstance(node, QuantizedMoment)
 
 
-def _moment_kind(path: tuple, state: Any) -> bool | None:
-    """For a subtree of the optimizer `state` shaped like the parameters, at `path`:
-    `True` for a non-negative moment, `False` for a signed one, `None` for state
-    that is not a moment. By the field's name, and for a name two optimizers use,
-    by the state it is a field of: Adafactor's `v` is the second moment of the
-    weights it does not factor, Adan's the first moment of gradient differences."""
+def _moment_kind(path: tuple, node: Any, second_moments: set[int]) -> bool | None:
+    """For a subtree `node` of the optimizer state shaped like the parameters, at
+    `path`: `True` for a non-negative moment, `False` for a signed one, `None` for
+    state that is not a moment. By the field's name, and for a name two optimizers
+    use, by the state it is a field of (`second_moments`: the ids of Adafactor's
+    `v`, the second moment of the weights it does not factor; Adan's `v` is the
+    first moment of gradient differences)."""
     if not path or not isinstance(path[-1], jtu.GetAttrKey):
         return None
     name = path[-1].name
-    if name == "v" and isinstance(_node_at(state, path[:-1]), optax.FactoredState):
-        return True
-    if name in NONNEGATIVE_MOMENTS:
+    if name in NONNEGATIVE_MOMENTS or id(node) in second_moments:
         return True
     if name in SIGNED_MOMENTS:
         return False
     return None
 
 
-def _node_at(tree: Any, path: tuple) -> Any:
-    """The node of `tree` at `path` (attribute, sequence and dict keys), or None
-    where a key cannot be followed."""
-    node = tree
-    for key in path:
-        if isinstance(key, jtu.GetAttrKey):
-            node = getattr(node, key.name, None)
-        elif isinstance(key, jtu.SequenceKey):
-            node = node[key.idx] if isinstance(node, list | tuple) else None
-        elif isinstance(key, jtu.DictKey):
-            node = node.get(key.key) if isinstance(node, dict) else None
-        else:
-            return None
-    return node
+def _adafactor_second_moments(state: Any) -> set[int]:
+    """The ids of the `v` subtrees of the `optax.FactoredState`s in `state`."""
+
+    def factored(x: Any) -> bool:
+        return isinstance(x, optax.FactoredState)
+
+    return {id(s.v) for s in jtu.tree_leaves(state, is_leaf=factored) if factored(s)}
 
 
 def _shaped_like(node: Any, params: Any) -> bool:
@@ -314,11 +306,12 @@ class _MomentStore:
             return _shaped_like(node, params)
 
         nodes = jtu.tree_flatten_with_path(state, is_leaf=shaped_like_params)[0]
+        second_moments = _adafactor_second_moments(state)
         kinds = {
             jtu.keystr(path): kind
             for path, node in nodes
             if shaped_like_params(node)
-            and (kind := _moment_kind(path, state)) is not None
+            and (kind := _moment_kind(path, node, second_moments)) is not None
         }
         count = sum(
             sum(map(_is_compressible, jtu.tree_leaves(node)))

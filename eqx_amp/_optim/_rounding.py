@@ -129,12 +129,8 @@ def stochastic_round(x: Array, dtype: Any, key: PRNGKeyArray) -> Array:
     noise = jax.random.bits(key, x.shape, jnp.uint32) >> jnp.uint32(16)
     rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
     value = jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(dtype)
-    # A finite value above the largest bfloat16 may round up into inf: it goes to
-    # the largest instead, as nearest rounding would take it. A NaN's payload
-    # could carry into its sign bit; inf and NaN round as they are.
-    largest = jnp.finfo(dtype).max
-    value = jnp.clip(value, -largest, largest)
-    return jnp.where(jnp.isfinite(x), value, x.astype(dtype))
+    # A NaN's payload could carry into its sign bit: inf and NaN round as they are.
+    return _held_in_range(value, x, dtype, x.astype(dtype))
 
 
 def round_to_nearest(x: Array, dtype: Any) -> Array:
@@ -146,8 +142,15 @@ def round_to_nearest(x: Array, dtype: Any) -> Array:
     rounded = x.astype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         return rounded
+    return _held_in_range(rounded, x, dtype, rounded)
+
+
+def _held_in_range(rounded: Array, x: Array, dtype: Any, nonfinite: Array) -> Array:
+    """`rounded` (`x` in `dtype`) with a finite `x` that rounded past `dtype`'s
+    largest held at the largest, as nearest rounding within range would take it;
+    `nonfinite` where `x` is inf or NaN."""
     largest = jnp.finfo(dtype).max
-    return jnp.where(jnp.isfinite(x), jnp.clip(rounded, -largest, largest), rounded)
+    return jnp.where(jnp.isfinite(x), jnp.clip(rounded, -largest, largest), nonfinite)
 
 
 def kahan_add(weight: Array, update: Array, compensation: Array) -> tuple[Array, Array]:
