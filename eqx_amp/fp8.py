@@ -12,6 +12,8 @@ y = eqx_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ())))            # by hand
 amp_model = eqx_amp.filter_amp(model, fp8=eqx_amp.fp8.MXFP8)            # block-scaled
 amp_model = eqx_amp.filter_amp(model, fp8=eqx_amp.fp8.NVFP4)            # 4-bit forward
 amp_model = eqx_amp.filter_amp(model, fp8=eqx_amp.fp8.NVFP4.with_nvfp4_backward())
+scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)    # delayed scaling
+with eqx_amp.fp8.delayed(scaling): ...                               # its scales
 ```
 """
 
@@ -19,4 +21,6 @@ from ._fp8 import MXFP8 as MXFP8
 from ._fp8 import NVFP4 as NVFP4
 from ._fp8 import ROWWISE as ROWWISE
 from ._fp8 import TENSORWISE as TENSORWISE
+from ._fp8 import DelayedScaling as DelayedScaling
+from ._fp8 import delayed as delayed
 from ._fp8 import dot_general as dot_general

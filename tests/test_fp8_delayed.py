@@ -1,120 +1,490 @@
-"""The delayed-scaling mode of the tensorwise fp8 matmuls (`eqx_amp._fp8._delayed`, a
-measurement prototype behind `benchmarks/_variants.py`'s `filter_amp_fp8_delayed`):
-the scales used are the ones handed in, and each tensor's amax comes out as the
-gradient of the scale that quantised it."""
+"""`eqx_amp.fp8.DelayedScaling` and `eqx_amp.fp8.delayed`: tensorwise fp8 products
+quantised with scales from earlier steps' amaxes, the amaxes handed out as the
+gradient of the state, hostile inputs included."""
+
+import json
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+import optax
 import pytest
 
 import eqx_amp
-from eqx_amp._fp8._delayed import DelayedScales, delayed_scales
-from eqx_amp._fp8._scaling import E4M3, quantize_with, scale_from_amax
+from eqx_amp._fp8._scaling import E4M3, E5M2, scale_from_amax
+
+from .helpers import in_dtypes, run_script_on_eight_devices, walk_eqns
 
 
-class _Two(eqx.Module):
-    """Two products reading the same input, summed."""
-
-    a: eqx.nn.Linear
-    b: eqx.nn.Linear
-
-    def __call__(self, x):
-        return self.a(x) + self.b(x)
+TENSORWISE = eqx_amp.fp8.TENSORWISE
 
 
-def _model(key):
-    return eqx.nn.Linear(64, 32, use_bias=False, key=key)
+def _mlp(key, width=64, out=32):
+    return eqx.nn.MLP(width, out, 128, 2, key=key)
 
 
-@eqx.filter_jit
-def _run(model, x, supply):
-    # Under `jit` (the model traced), weights are quantised once per call.
-    amp = eqx_amp.filter_amp(
-        eqx.filter_vmap(model), policy="mixed_bfloat16", fp8=eqx_amp.fp8.TENSORWISE
+ROADS = {
+    "filter_amp": lambda m: eqx_amp.filter_amp(eqx.filter_vmap(m), fp8=TENSORWISE),
+    "autocast": lambda m: eqx_amp.autocast(
+        eqx.filter_vmap(m), rules={jax.lax.dot_general_p: TENSORWISE}
+    ),
+}
+
+
+def _loss_on(road):
+    def loss_fn(model, x, y):
+        out = ROADS[road](model)(x).astype(jnp.float32)
+        return jnp.mean((out - y) ** 2)
+
+    return loss_fn
+
+
+def _delayed_value_and_grad(loss_fn):
+    """`(loss, grads, observed)` of `loss_fn(model, *args)` under `scaling`."""
+
+    @eqx.filter_jit
+    def run(model, scaling, *args):
+        def scaled(diff, *args):
+            model, scaling = diff
+            with eqx_amp.fp8.delayed(scaling):
+                return loss_fn(model, *args)
+
+        loss, (grads, observed) = eqx.filter_value_and_grad(scaled)(
+            (model, scaling), *args
+        )
+        return loss, grads, observed
+
+    return run
+
+
+def _data(key, n=32, width=64, out=32, magnitude=1.0):
+    kx, ky = jr.split(key)
+    return magnitude * jr.normal(kx, (n, width)), jr.normal(ky, (n, out))
+
+
+def _same(a, b):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+@pytest.mark.parametrize("road", sorted(ROADS))
+@pytest.mark.parametrize("weights", [True, False])
+def test_a_step_on_the_batch_init_saw_is_current_scaling_bit_for_bit(
+    road, weights, getkey
+):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on(road)
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y, weights=weights)
+    kinds = {"weight": 3 * weights, "activation": 3, "gradient": 3}
+    assert {k: scaling.kinds.count(k) for k in kinds} == kinds
+    assert scaling.history.shape == (len(scaling.kinds), 16)
+    loss, grads, observed = _delayed_value_and_grad(loss_fn)(model, scaling, x, y)
+    current = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, x, y)
+    _same((loss, grads), current)
+    # Each slot saw one tensor: one bin hit once.
+    counts = np.stack(observed.received)
+    np.testing.assert_array_equal(counts.sum(axis=1), 1.0)
+    newer = scaling.update(observed)
+    np.testing.assert_array_equal(newer.history[:, 0], newer.history[:, 1])
+
+
+def test_every_product_forward_and_backward_reads_fp8(getkey):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+
+    def scaled(model, scaling):
+        with eqx_amp.fp8.delayed(scaling):
+            return loss_fn(model, x, y)
+
+    jaxpr = eqx.filter_make_jaxpr(eqx.filter_grad(scaled))(model, scaling)[0]
+    dots = [
+        eqn
+        for eqn, _ in walk_eqns(jaxpr.jaxpr)
+        if eqn.primitive is jax.lax.dot_general_p
+    ]
+    # Three forward products and two backward ones each.
+    assert len(dots) == 9
+    for eqn in dots:
+        assert {d.name for d in in_dtypes(eqn)} <= {"float8_e4m3fn", "float8_e5m2"}
+
+
+def test_the_scale_follows_the_largest_amax_of_the_history(getkey):
+    model = _mlp(getkey())
+    loss_fn = _loss_on("filter_amp")
+    x, y = _data(getkey())
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y, history=2)
+    run = _delayed_value_and_grad(loss_fn)
+    first = scaling.kinds.index("activation")  # the input's slot
+    seen = [float(scale_from_amax(jnp.max(jnp.abs(x)), E4M3))]
+    assert float(scaling.scales()[first]) == seen[0]
+    for magnitude in (16.0, 1.0, 1.0):
+        xs = magnitude * x
+        scaling = scaling.update(run(model, scaling, xs, y)[2])
+        seen.append(float(scale_from_amax(jnp.max(jnp.abs(xs)), E4M3)))
+        # The smallest scale (largest amax) of the last two steps.
+        assert float(scaling.scales()[first]) == min(seen[-2:])
+
+
+def test_margin_halves_each_scale(getkey):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    plain = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    wide = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y, margin=2)
+    np.testing.assert_array_equal(wide.scales() * 4, plain.scales())
+
+
+def test_a_stale_scale_saturates_finite_values_and_catches_up(getkey):
+    model = _mlp(getkey())
+    loss_fn = _loss_on("filter_amp")
+    x, y = _data(getkey())
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    run = _delayed_value_and_grad(loss_fn)
+    big = 1000.0 * x
+    loss, grads, observed = run(model, scaling, big, y)
+    assert np.isfinite(loss) and all(
+        np.isfinite(g).all() for g in jax.tree.leaves(grads)
     )
-    with delayed_scales(supply):
-        return amp(x)
+    # Saturated: the input's values beyond 448 / scale were clipped, so the loss
+    # differs from current scaling's on the same batch.
+    current = eqx.filter_jit(loss_fn)(model, big, y)
+    assert loss != current
+    # Each step, the first saturated layer's input is observed as it is; those
+    # after it saw inputs computed from clipped values: one layer a step.
+    for _ in range(3):
+        scaling = scaling.update(observed)
+        loss, grads, observed = run(model, scaling, big, y)
+    np.testing.assert_allclose(loss, current, rtol=2e-2)
 
 
-def _dequantized(x, scale, dtype):
-    return quantize_with(x, scale, dtype).astype(jnp.float32) / scale
+# The hostile matrix: each input's delayed step after an init on it is current
+# scaling's step (NaN where that has NaN).
+_F32 = np.finfo(np.float32)
+EDGES = {
+    "zeros": lambda x: jnp.zeros_like(x),
+    "smallest normals": lambda x: jnp.sign(x) * _F32.tiny,
+    "subnormals": lambda x: jnp.sign(x) * _F32.smallest_subnormal * 8,
+    "largest finite": lambda x: jnp.sign(x) * _F32.max / 4,
+    "one inf": lambda x: x.at[3, 5].set(jnp.inf),
+    "one nan": lambda x: x.at[3, 5].set(jnp.nan),
+}
 
 
-def test_the_forward_product_uses_the_given_activation_scale(getkey):
-    model = _model(getkey())
-    x = jr.normal(getkey(), (32, 64)).astype(jnp.bfloat16)
-    # A stale scale, too large: x's amax (about 3.5) times 256 passes 448, so the
-    # largest values saturate, as delayed scaling's do.
-    scale = jnp.float32(2.0**8)
-    out = _run(model, x, DelayedScales([scale], [jnp.float32(1.0)]))
-    w = model.weight.astype(jnp.bfloat16)
-    w_scale = scale_from_amax(jnp.max(jnp.abs(w.astype(jnp.float32))), E4M3)
-    expected = _dequantized(x, scale, E4M3) @ _dequantized(w, w_scale, E4M3).T
-    np.testing.assert_allclose(out, expected, rtol=1e-2, atol=1e-2)
-    assert (
-        float(jnp.max(jnp.abs(quantize_with(x, scale, E4M3).astype(jnp.float32))))
-        == 448
+@pytest.mark.parametrize("edge", sorted(EDGES))
+def test_edge_values_give_current_scalings_step(edge, getkey):
+    model = eqx.nn.Linear(64, 32, use_bias=False, key=getkey())
+    x = EDGES[edge](jr.normal(getkey(), (32, 64)))
+    y = jr.normal(getkey(), (32, 32))
+
+    def loss_fn(model, x, y):
+        out = eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=TENSORWISE)(x)
+        return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    loss, grads, observed = _delayed_value_and_grad(loss_fn)(model, scaling, x, y)
+    current = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, x, y)
+    _same((loss, grads), current)
+    newer = scaling.update(observed)
+    assert np.all(np.isfinite(newer.scales()))
+    if edge == "zeros":  # no amax: the input keeps a scale of 1
+        assert float(newer.scales()[newer.kinds.index("activation")]) == 1.0
+
+
+def test_ineligible_and_empty_products_take_no_slot(getkey):
+    class Mixed(eqx.Module):
+        odd: eqx.nn.Linear  # 13 features: no fp8 GEMM takes it
+        even: eqx.nn.Linear
+        step: int = 3
+        key: jax.Array = eqx.field(default_factory=lambda: jr.key(0))
+        nothing: None = None
+        flag: bool = True
+
+        def __call__(self, x):
+            return self.even(jnp.pad(self.odd(x), (0, 3)))
+
+    model = Mixed(
+        eqx.nn.Linear(32, 13, key=getkey()), eqx.nn.Linear(16, 16, key=getkey())
     )
-
-
-def test_the_amaxes_come_out_as_the_gradients_of_the_scales(getkey):
-    model = _model(getkey())
-    x = jr.normal(getkey(), (32, 64)).astype(jnp.bfloat16)
-    cotangent = 3.0 * jr.normal(getkey(), (32, 32))
-
-    def loss(scales, x, model=model):
-        out = _run(model, x, DelayedScales(*scales))
-        return jnp.sum(out * cotangent)
-
-    scales = ([jnp.float32(8.0)], [jnp.float32(2.0)])
-    (x_amax,), (g_amax,) = jax.grad(loss)(scales, x)
-    assert x_amax == jnp.max(jnp.abs(x.astype(jnp.float32)))
-    # The product's output (bfloat16) gets the cotangent in its own dtype.
-    expected = jnp.max(jnp.abs(cotangent.astype(jnp.bfloat16).astype(jnp.float32)))
-    assert g_amax == expected
-    # The input's gradient is the fp8 product's: the cotangent quantised with the
-    # given scale (here 2: no clipping, e5m2's rounding only).
-    dx = jax.grad(lambda x: loss(scales, x).astype(jnp.float32))(x.astype(jnp.float32))
-    w = model.weight
-    reference = cotangent @ w
-    np.testing.assert_allclose(dx, reference, rtol=0.2, atol=0.3)
-
-
-def test_products_reading_one_array_share_its_scale_and_hand_out_once(getkey):
-    k1, k2 = jr.split(getkey())
-    model = _Two(
-        eqx.nn.Linear(64, 32, use_bias=False, key=k1),
-        eqx.nn.Linear(64, 32, use_bias=False, key=k2),
+    x, y = jr.normal(getkey(), (16, 32)), jr.normal(getkey(), (16, 16))
+    scaling = eqx_amp.fp8.DelayedScaling.init(
+        lambda m, x, y: jnp.sum(
+            eqx_amp.filter_amp(eqx.filter_vmap(m), fp8=TENSORWISE)(x) * y
+        ),
+        model,
+        x,
+        y,
     )
+    assert scaling.kinds == ("weight", "activation", "gradient")
+
+    def total(model, x):
+        return jnp.sum(eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=TENSORWISE)(x))
+
+    with pytest.raises(ValueError, match="runs no tensorwise fp8 matmul"):
+        eqx_amp.fp8.DelayedScaling.init(total, model.odd, x)
+    # An empty batch: the weight is quantised, but no product hands anything out.
+    with pytest.raises(ValueError, match="Either its batch is empty"):
+        eqx_amp.fp8.DelayedScaling.init(total, model.even, jnp.ones((0, 16)))
+
+
+def test_a_scanned_product_hands_out_the_largest_amax_of_its_iterations(getkey):
+    w = jr.normal(getkey(), (64, 32))
     x = jr.normal(getkey(), (16, 64))
-    counting = DelayedScales.counting(weights=True)
-    eqx.filter_eval_shape(_run, model, x, counting)
-    assert counting.taken == {"activations": 1, "gradients": 2, "weights": 2}
+    # The iterations' amaxes are a, a/2, a/4 and a: their sum (2.75a) would ask for
+    # a smaller scale than their largest.
+    xs = jnp.stack([x * c for c in (1.0, 0.5, 0.25, 1.0)])
 
-    def loss(scales):
-        return jnp.sum(_run(model, x, DelayedScales(*scales)))
+    def loss_fn(w, xs):
+        def body(total, xi):
+            return total + jnp.sum(xi @ w), None
 
-    scales = ([jnp.float32(8.0)], [jnp.float32(1.0)] * 2, [jnp.float32(64.0)] * 2)
-    (x_amax,), _, w_amaxes = jax.grad(loss)(scales)
-    assert x_amax == jnp.max(jnp.abs(x.astype(jnp.bfloat16).astype(jnp.float32)))
-    for layer, amax in zip((model.a, model.b), w_amaxes):
-        w = layer.weight.astype(jnp.bfloat16).astype(jnp.float32)
-        assert amax == jnp.max(jnp.abs(w))
+        product = eqx_amp.autocast(
+            lambda w, xs: jax.lax.scan(body, 0.0, xs)[0],
+            rules={jax.lax.dot_general_p: TENSORWISE},
+        )
+        return product(w, xs)
+
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, w, xs)
+    assert scaling.kinds == ("activation", "activation", "gradient")
+    largest = scale_from_amax(jnp.max(jnp.abs(x)), E4M3)
+    assert float(scaling.scales()[0]) == float(largest)
+    assert float(scale_from_amax(2.75 * jnp.max(jnp.abs(x)), E4M3)) < float(largest)
+    _, _, observed = _delayed_value_and_grad(loss_fn)(w, scaling, xs)
+    assert np.asarray(observed.received[0]).sum() == 4  # once per iteration
 
 
-def test_a_program_with_more_products_than_scales_is_refused(getkey):
-    model = _model(getkey())
-    x = jnp.ones((16, 64))
-    with pytest.raises(ValueError, match="hold 0 gradient scales"):
-        _run(model, x, DelayedScales([jnp.float32(1.0)], []))
+def test_the_bimodel_road_with_loss_scaling(getkey):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    bimodel = eqx_amp.BiModel(eqx.filter_vmap(model), fp8=TENSORWISE)
+
+    def loss_fn(bm, x, y):
+        return jnp.mean((bm(x).astype(jnp.float32) - y) ** 2)
+
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, bimodel, x, y)
+    assert scaling.kinds.count("gradient") == 3
+
+    def scaled(diff, x, y):
+        bm, scaling = diff
+        with eqx_amp.fp8.delayed(scaling):
+            return loss_fn(bm, x, y)
+
+    grad_fn = eqx.filter_jit(eqx_amp.filter_value_and_grad(scaled))
+    loss_scale = eqx_amp.DynamicLossScale(jnp.float32(2.0**10))
+    (loss, (grads, observed)), loss_scale, finite = grad_fn(
+        (bimodel, scaling), x, y, loss_scale=loss_scale
+    )
+    current = eqx.filter_jit(eqx_amp.filter_value_and_grad(loss_fn))(
+        bimodel, x, y, loss_scale=eqx_amp.DynamicLossScale(jnp.float32(2.0**10))
+    )
+    _same((loss, grads), current[0])
+    assert bool(finite)
+    # Divided by the loss scale, the counts still hit one bin each.
+    np.testing.assert_array_equal(np.stack(observed.received).sum(axis=1), 2.0**-10)
+    newer = scaling.update(observed)
+    np.testing.assert_array_equal(newer.history[:, 0], scaling.history[:, 0])
+    # A skipped step (NaN gradients) pushes no observation: the scales stay.
+    nan = jax.tree.map(lambda r: jnp.full_like(r, jnp.nan), observed)
+    skipped = scaling.update(nan)
+    np.testing.assert_array_equal(skipped.scales(), scaling.scales())
 
 
-def test_a_vmap_outside_the_wrapper_is_refused(getkey):
-    model = _model(getkey())
-    amp = eqx_amp.filter_amp(model, policy="mixed_bfloat16", fp8=eqx_amp.fp8.TENSORWISE)
-    with delayed_scales(DelayedScales.counting()):
-        with pytest.raises(NotImplementedError, match="outside the vmap"):
-            eqx.filter_eval_shape(jax.vmap(amp), jnp.ones((16, 64)))
+def test_training_with_an_optax_chain_and_multisteps(getkey):
+    model = _mlp(getkey(), width=32, out=16)
+    kx, kw = jr.split(getkey())
+    x = jr.normal(kx, (64, 32))
+    y = jnp.tanh(x @ jr.normal(kw, (32, 16)))
+    loss_fn = _loss_on("filter_amp")
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y, history=4)
+    optimizer = optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-3)), 2
+    )
+    state = optimizer.init(eqx.filter(model, eqx.is_array))
+    run = _delayed_value_and_grad(loss_fn)
+    first = None
+    for _ in range(80):
+        loss, grads, observed = run(model, scaling, x, y)
+        with jax.numpy_dtype_promotion("standard"):  # optax's own arithmetic
+            params = eqx.filter(model, eqx.is_array)
+            updates, state = optimizer.update(grads, state, params)
+        model = eqx.apply_updates(model, updates)
+        scaling = scaling.update(observed)
+        first = loss if first is None else first
+    assert loss < first / 2
+    assert np.all(np.isfinite(scaling.scales()))
+
+
+def test_retracing_reuses_the_slots_and_a_different_program_is_refused(getkey):
+    model = _mlp(getkey())
+    loss_fn = _loss_on("filter_amp")
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, *_data(getkey()))
+    run = _delayed_value_and_grad(loss_fn)
+    for n in (32, 48):  # two batch sizes: two traces, the same slots
+        loss, _, observed = run(model, scaling, *_data(getkey(), n=n))
+        assert np.isfinite(loss)
+        assert len(observed.received) == len(scaling.kinds)
+    deeper = eqx.nn.MLP(64, 32, 128, 3, key=getkey())
+    with pytest.raises(ValueError, match="differ from the ones its `DelayedScaling`"):
+        run(deeper, scaling, *_data(getkey()))
+
+
+def test_second_order_derivatives_and_an_inner_vmap_are_refused(getkey):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+
+    def scaled(model, x):
+        with eqx_amp.fp8.delayed(scaling):
+            return loss_fn(model, x, y)
+
+    @eqx.filter_jit  # the model traced, as in a step
+    def hessian(model, x):
+        return jax.jacfwd(jax.grad(lambda x: scaled(model, x)))(x)
+
+    with pytest.raises(NotImplementedError, match="first-order derivatives only"):
+        hessian(model, x)
+
+    amp = eqx_amp.filter_amp(model, fp8=TENSORWISE)
+    with eqx_amp.fp8.delayed(scaling):
+        with pytest.raises(NotImplementedError, match="outside `jax.vmap` only"):
+            eqx.filter_eval_shape(jax.vmap(amp), x)
+
+
+def test_bad_inputs_are_refused(getkey):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    init = eqx_amp.fp8.DelayedScaling.init
+    with pytest.raises(TypeError, match="takes a function"):
+        init(model.layers[0].weight, x)
+    with pytest.raises(ValueError, match="`history` must be at least 1, got 0"):
+        init(loss_fn, model, x, y, history=0)
+    with pytest.raises(TypeError, match="`history` must be an integer"):
+        init(loss_fn, model, x, y, history=2.5)
+    with pytest.raises(ValueError, match="`margin` must be at least 0"):
+        init(loss_fn, model, x, y, margin=-1)
+    with pytest.raises(TypeError, match="`weights` must be a bool"):
+        init(loss_fn, model, x, y, weights="yes")
+    with pytest.raises(ValueError, match="runs no tensorwise fp8 matmul"):
+        init(lambda m, x, y: jnp.sum(jax.vmap(m)(x)), model, x, y)
+    scaling = init(loss_fn, model, x, y, history=np.int64(3))
+    assert scaling.history.shape[1] == 3
+    with pytest.raises(TypeError, match="takes the gradient of the loss"):
+        scaling.update(model)
+    with pytest.raises(TypeError, match="takes a `DelayedScaling`"):
+        with eqx_amp.fp8.delayed(model):
+            pass
+
+
+# Each device's batch is the same but scaled by 2**device: the observations,
+# combined by `update(..., axis_name=)`, follow device 7's.
+_ON_EIGHT = r"""
+import functools as ft
+import equinox as eqx, jax, jax.numpy as jnp, jax.random as jr, numpy as np
+from jax.sharding import PartitionSpec as P
+import eqx_amp
+from eqx_amp._fp8._scaling import E4M3, scale_from_amax
+
+TENSORWISE = eqx_amp.fp8.TENSORWISE
+model = eqx.nn.MLP(64, 32, 64, 1, key=jr.key(0))
+x = jr.normal(jr.key(1), (16, 64))
+xs = jnp.stack([x * 2.0**d for d in range(8)])
+y = jr.normal(jr.key(2), (8, 16, 32))
+
+def loss_fn(model, x, y):
+    out = eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=TENSORWISE)(x)
+    return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y[0])
+
+params, static = eqx.partition(model, eqx.is_array)
+
+def step(params, scaling, x, y):
+    def scaled(diff):
+        params, scaling = diff
+        with eqx_amp.fp8.delayed(scaling):
+            return loss_fn(eqx.combine(params, static), x, y)
+    grads, observed = eqx.filter_grad(scaled)((params, scaling))
+    return scaling.update(observed, axis_name="d").history
+
+report = {"expected": int(np.log2(float(scale_from_amax(jnp.max(jnp.abs(xs[7])), E4M3))))}
+pmapped = jax.pmap(step, axis_name="d", in_axes=(None, None, 0, 0))
+first = scaling.kinds.index("activation")  # the input's slot
+report["pmap"] = np.asarray(pmapped(params, scaling, xs, y)[:, first, 0]).tolist()
+mesh = jax.make_mesh((8,), ("d",))
+split = jax.sharding.NamedSharding(mesh, P("d"))
+xs, y = jax.device_put(xs, split), jax.device_put(y, split)
+for check in (True, False):
+    # Under `shard_map` a weight is made device-varying before each product reads
+    # it, so the body quantises it there: the state is initialised from the mapped
+    # loss (its observations summed over the devices by JAX).
+    def mapped(fn, out_specs):
+        return jax.jit(jax.shard_map(
+            fn, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")), out_specs=out_specs,
+            check_vma=check,
+        ))
+    def mean_loss(p, x, y):
+        return jax.lax.pmean(loss_fn(eqx.combine(p, static), x[0], y[0]), "d")
+    # Unjitted: a `jit` around it would reuse the trace `init` counts slots with.
+    unjitted = jax.shard_map(
+        mean_loss, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P(),
+        check_vma=check,
+    )
+    on_all = eqx_amp.fp8.DelayedScaling.init(unjitted, params, xs, y)
+    try:
+        eqx_amp.fp8.DelayedScaling.init(jax.jit(unjitted), params, xs, y)
+    except ValueError as error:
+        report[f"jitted, check_vma={check}"] = str(error)
+    # The input's slot: with `check_vma`, each weight is cast to device-varying and
+    # quantised by its product, which reads it first (`weight @ x`).
+    first = 1 if check else on_all.kinds.index("activation")
+    assert on_all.kinds[first] == "activation"
+    report[f"init, shard_map check_vma={check}"] = [int(on_all.history[first, 0])] * 8
+    steps = mapped(lambda p, s, x, y: step(p, s, x[0], y[0])[None], P("d"))
+    report[f"shard_map check_vma={check}"] = np.asarray(
+        steps(params, on_all, xs, y)[:, first, 0]
+    ).tolist()
+"""
+
+
+def test_devices_combine_their_observations_under_pmap_and_shard_map():
+    report = run_script_on_eight_devices(_ON_EIGHT)
+    expected = report.pop("expected")
+    for check in (True, False):
+        assert "observed none of its fp8 tensors" in report.pop(
+            f"jitted, check_vma={check}"
+        )
+    # The input's slot: its newest entry is the same on every device and follows
+    # the largest batch.
+    for how, newest in report.items():
+        assert newest == [expected] * 8, (how, json.dumps(newest))
+
+
+def test_the_gradient_slot_uses_e5m2s_range(getkey):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y, weights=False)
+    # The last product's output gradient: d(mean of squares)/d(out).
+    out = eqx.filter_jit(lambda m, x: ROADS["filter_amp"](m)(x))(model, x)
+    g = (2 * (out.astype(jnp.float32) - y) / y.size).astype(out.dtype)
+    expected = scale_from_amax(jnp.max(jnp.abs(g.astype(jnp.float32))), E5M2)
+    assert float(scaling.scales()[-1]) == float(expected)
+
+
+def test_slots_a_run_does_not_reach_are_named_and_keep_a_scale_of_one(getkey):
+    w1, w2 = jr.normal(getkey(), (64, 32)), jr.normal(getkey(), (64, 32))
+    x = jr.normal(getkey(), (16, 64))
+
+    def loss_fn(ws, x):
+        def pick(x, ws):
+            return jax.lax.cond(jnp.sum(x) > 1e9, lambda: x @ ws[0], lambda: x @ ws[1])
+
+        # Every product (`autocast` leaves those reading no parameter in bf16).
+        rule = {jax.lax.dot_general_p: TENSORWISE.with_activation_products()}
+        return jnp.sum(eqx_amp.autocast(pick, rules=rule)(x, ws))
+
+    # `lax.cond`'s branches in index order: the false one (taken) first.
+    with pytest.warns(UserWarning, match=r"the slots \[3, 4, 5\] observed no tensor"):
+        scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, (w1, w2), x)
+    assert scaling.kinds == ("activation", "activation", "gradient") * 2
+    assert np.all(scaling.scales()[:3] != 1.0)
+    np.testing.assert_array_equal(scaling.scales()[3:], 1.0)

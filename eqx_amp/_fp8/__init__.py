@@ -28,6 +28,8 @@ and their derivative rules), `_nvfp4` (NVFP4 quantisation), `_shapes` (which sha
 from ._block_scaled import MXFP8_SCOPE as MXFP8_SCOPE
 from ._block_scaled import block_scaled_flops as block_scaled_flops
 from ._block_scaled import is_block_product as is_block_product
+from ._delayed import DelayedScaling as DelayedScaling
+from ._delayed import delayed as delayed
 from ._dot_general import dot_general as dot_general
 from ._nvfp4 import NVFP4_SCALES_SCOPE as NVFP4_SCALES_SCOPE
 from ._nvfp4 import NVFP4_SCOPE as NVFP4_SCOPE

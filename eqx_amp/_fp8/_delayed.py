@@ -1,118 +1,316 @@
-"""Delayed fp8 scaling: the scales of a call's tensorwise fp8 products handed in (from
-the amaxes of earlier steps), the amaxes of this call's tensors handed out.
+"""Delayed fp8 scaling: tensorwise fp8 products quantise with scales learnt from the
+amaxes of earlier steps, kept as state, instead of reducing each tensor before
+quantising it (Transformer Engine's default recipe; Flax's `fp8_ops`).
 
-Within `delayed_scales(supply)`, each tensorwise fp8 matmul takes its scales from
-`supply` instead of the amax of the tensor it quantises: an activation (the operand
-that is not a weight) one scale per distinct array (products reading the same array
-share its fp8 form), each product's output gradient one scale, and, if `supply`
-holds weight scales, each weight quantised once per call one scale. The amax of each
-tensor is computed in the pass that quantises it (XLA makes the two one fusion: the
-tensor is read once), and comes out as the cotangent of the scale that quantised it
-(Flax's `fp8_ops` and Transformer Engine hand amaxes out the same way): differentiate
-the call with respect to the scales to read this step's amaxes. Slots are taken in
-program order, so the same program takes the same slots at every trace; a supply
-without scales (`DelayedScales.counting()`) hands out ones and counts the slots.
+The state (`DelayedScaling`) holds one slot per tensor a call quantises: each
+activation an fp8 product reads (products reading one array share its fp8 form and
+slot), each product's output gradient, and, with `weights=True`, each weight.
+Slots are taken in program order while tracing, so the same program takes the same
+slots at every trace.
 
-A measurement prototype (the benchmarks' `filter_amp_fp8_delayed`); no public name
-reaches it, and `benchmarks/RESULTS.md` ("Delayed scaling, measured") says why. Only
-tensorwise matmuls traced unbatched take delayed scales (the wrapper outside any
-`jax.vmap`: a batched one is refused); convolutions, rowwise and MXFP8 products keep
-their own scaling.
+This step's observations come out as the gradient of the state's `received` arrays:
+each slot receives a one-hot vector over the scale that this step's amax asks for
+(bin `k + 128` for a scale of `2**k`; the last bin for an amax of zero), taken in
+the pass that quantises the tensor. One-hot, not the amax itself, because the
+gradient of a value read many times is a sum: a product inside a `lax.scan` body
+runs once per iteration, a replicated state under `shard_map` or `pmap` is read
+once per device, and eqx_amp's loss scaling divides gradients by the loss scale.
+A sum of one-hot vectors still says which bins were hit, and the largest amax is
+the hit bin of the smallest scale. The scales are powers of two from the amax
+(`scale_from_amax`), so the bin loses nothing.
 """
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jaxtyping import Array
+from jaxtyping import Array, Float, Int
 
-from ._products import fp8_matmul_delayed, known_fp8
-from ._scaling import E4M3, quantize_and_amax
+from .._core._loss_scale_in_effect import loss_scale_in_effect
+from .._jaxpr import _compat as compat
+from ._products import fp8_matmul_delayed, known_fp8, varying_over
+from ._scaling import (
+    E4M3,
+    MAX_SCALE,
+    finite_amax,
+    quantize_with,
+    scale_from_amax,
+)
 
 
-class DelayedScales:
-    """The scales of one call's fp8 products (float32 scalars, each a power of two),
-    by kind: `activations`, `gradients` and `weights` (None: weights keep current
-    scaling). Lists of None count the slots instead (`counting()`)."""
+BINS = 256
+_OFFSET = 128  # bin of the scale 2**k: k + _OFFSET
+_ZERO_BIN = BINS - 1  # an all-zero (or all non-finite) tensor
+_NONE = 127  # a history entry without an observation: above every exponent
+_LOWEST = -126  # the smallest scale exponent: its inverse is float32's largest binade
 
-    def __init__(
-        self,
-        activations: list | None,
-        gradients: list | None,
-        weights: list | None = None,
-        count_weights: bool = False,
-    ):
-        self.activations, self.gradients, self.weights = activations, gradients, weights
-        self.count_weights = count_weights
-        self.taken = {"activations": 0, "gradients": 0, "weights": 0}
-        # id(array) -> (array, fp8 values, scale): an activation quantised already.
-        self._quantized: dict[int, tuple[Array, Array, Array]] = {}
-        # id(weight) -> (weight, scale, amax): a weight quantised with a given scale
-        # whose amax no product has handed out yet.
-        self._pending: dict[int, tuple[Array, Array, Array]] = {}
+
+def observation(amax: Array, dtype: np.dtype) -> Float[Array, " 256"]:
+    """The one-hot vector of bin counts an `amax` hands out: the bin of the scale
+    it asks for in `dtype`, or the zero bin."""
+    scale = scale_from_amax(amax, dtype)
+    exponent = (lax.bitcast_convert_type(scale, jnp.int32) >> 23) - 127
+    index = jnp.where(amax > 0, exponent + _OFFSET, _ZERO_BIN)
+    return (lax.iota(jnp.int32, BINS) == index).astype(jnp.float32)
+
+
+def _power_of_two(exponent: Array) -> Array:
+    """`2.0 ** exponent` in float32, for an int32 exponent in [-126, 127]."""
+    return lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
+
+
+class DelayedScaling(eqx.Module):
+    """Delayed fp8 scaling for the tensorwise fp8 products of one loss: each
+    tensor is quantised with a scale from the largest amax of its last
+    `history` steps, and this step's amax is taken in the same pass (no reduction
+    before the quantisation). Make one with `DelayedScaling.init`; run the loss
+    under `eqx_amp.fp8.delayed(scaling)`, differentiate it with respect to the
+    scaling too, and hand that gradient to `update`.
+
+    ```python
+    def loss_fn(model, x, y):
+        amp = eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=eqx_amp.fp8.TENSORWISE)
+        return cross_entropy(amp(x), y)
+
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+
+    @eqx.filter_jit
+    def step(model, opt_state, scaling, x, y):
+        def scaled_loss(diff, x, y):
+            model, scaling = diff
+            with eqx_amp.fp8.delayed(scaling):
+                return loss_fn(model, x, y)
+
+        loss, (grads, observed) = eqx.filter_value_and_grad(scaled_loss)(
+            (model, scaling), x, y
+        )
+        scaling = scaling.update(observed)
+        ...
+    ```
+
+    A scale is stale by design: a tensor whose amax grows past the largest of its
+    history saturates at the fp8 format's largest value for that step (`margin`
+    halves every scale `margin` times, to leave room). Slots not observed for
+    `history` steps keep a scale of 1.
+    """
+
+    history: Int[Array, "slots history"]
+    received: tuple[Float[Array, " 256"], ...]
+    kinds: tuple[str, ...] = eqx.field(static=True)
+    margin: int = eqx.field(static=True)
+    weights: bool = eqx.field(static=True)
 
     @classmethod
-    def counting(cls, weights: bool = False) -> "DelayedScales":
-        return cls(None, None, None, count_weights=weights)
+    def init(
+        cls,
+        fn: Callable[..., Any],
+        *args: Any,
+        history: int = 16,
+        weights: bool = True,
+        margin: int = 0,
+        has_aux: bool = False,
+        **kwargs: Any,
+    ) -> "DelayedScaling":
+        """The delayed scaling of `fn(*args, **kwargs)` (a scalar loss, or
+        `(loss, aux)` with `has_aux`), its slots counted by tracing `fn` and its
+        history started from one run of it with current scaling (one forward and
+        backward pass on these arguments), so the first step's scales are those
+        arguments' own. With `weights=False` weights keep current scaling.
 
-    @property
-    def delays_weights(self) -> bool:
-        return self.weights is not None or self.count_weights
+        ```python
+        scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y, history=16)
+        ```
+        """
+        if not callable(fn):
+            raise TypeError(f"`DelayedScaling.init` takes a function, got {fn!r}.")
+        for name, value, least in (("history", history, 1), ("margin", margin, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"`{name}` must be an integer, got {value!r}.")
+            if value < least:
+                raise ValueError(f"`{name}` must be at least {least}, got {value}.")
+        if not isinstance(weights, bool):
+            raise TypeError(f"`weights` must be a bool, got {weights!r}.")
 
-    def _take(self, kind: str) -> Array:
-        index = self.taken[kind]
-        self.taken[kind] += 1
-        scales = getattr(self, kind)
-        if scales is None:
-            return jnp.ones((), jnp.float32)
-        if index >= len(scales):
+        counting = _Supply(None, weights=weights)
+        with _using(counting):
+            eqx.filter_eval_shape(fn, *args, **kwargs)
+        if not counting.kinds:
             raise ValueError(
-                f"The delayed fp8 scales hold {len(scales)} {kind[:-1]} scales, but "
-                f"the program has more fp8 products: initialise the state from the "
-                f"same program."
+                "`DelayedScaling.init`: the function runs no tensorwise fp8 matmul "
+                "(delayed scales reach `TENSORWISE` products of `filter_amp`, "
+                "`BiModel` and `autocast`, traced outside any `jax.vmap`), so "
+                "there is nothing to scale."
             )
-        return jnp.asarray(scales[index], jnp.float32)
+        state = cls(
+            history=jnp.full((len(counting.kinds), int(history)), _NONE, jnp.int32),
+            received=tuple(jnp.zeros(BINS, jnp.float32) for _ in counting.kinds),
+            kinds=tuple(counting.kinds),
+            margin=int(margin),
+            weights=weights,
+        )
+
+        @eqx.filter_jit
+        @eqx.filter_grad
+        def observe(state, args, kwargs):
+            with _using(_Supply(state, weights=weights, current=True)):
+                out = fn(*args, **kwargs)
+            return out[0] if has_aux else out
+
+        observed = observe(state, args, kwargs)
+        seen = [bool(jnp.any(r != 0)) for r in observed.received]
+        if not any(seen):
+            raise ValueError(_NOTHING_OBSERVED)
+        if not all(seen):
+            unseen = [i for i, s in enumerate(seen) if not s]
+            warnings.warn(_UNSEEN.format(slots=unseen), stacklevel=2)
+        return state.update(observed)
+
+    def exponents(self) -> Int[Array, " slots"]:
+        """Each slot's scale as a power of two: the exponent of the largest amax's
+        scale in the history (0 where there is none), less `margin`."""
+        exponent = jnp.min(self.history, axis=1)
+        exponent = jnp.where(exponent == _NONE, 0, exponent - self.margin)
+        return jnp.maximum(exponent, _LOWEST)
+
+    def scales(self) -> Float[Array, " slots"]:
+        """Each slot's float32 scale (`kinds` says what each slot quantises)."""
+        return _power_of_two(self.exponents())
+
+    def update(
+        self, observed: "DelayedScaling", axis_name: Any = None
+    ) -> "DelayedScaling":
+        """This scaling with this step's observations (`observed`: the gradient of
+        the loss with respect to this scaling) pushed into each slot's history.
+        Under `pmap` or `shard_map`, `axis_name` combines the devices'
+        observations, so that every device keeps the same scales.
+
+        ```python
+        scaling = scaling.update(observed)
+        ```
+        """
+        if not isinstance(observed, DelayedScaling) or observed.kinds != self.kinds:
+            raise TypeError(
+                "`DelayedScaling.update` takes the gradient of the loss with "
+                "respect to this scaling (a `DelayedScaling` with the same slots), "
+                f"got {type(observed).__name__}."
+            )
+        if not self.kinds:
+            return self
+        counts = jnp.stack([jnp.asarray(r, jnp.float32) for r in observed.received])
+        if axis_name is not None:
+            counts = lax.psum(counts, axis_name)
+        # NaN counts (a skipped step's gradients) hit no bin.
+        hit = counts[:, :_ZERO_BIN] > 0
+        newest = jnp.where(
+            hit.any(axis=1), jnp.argmax(hit, axis=1) - _OFFSET, _NONE
+        ).astype(jnp.int32)
+        history = jnp.concatenate([newest[:, None], self.history[:, :-1]], axis=1)
+        received = tuple(jnp.zeros(BINS, jnp.float32) for _ in self.kinds)
+        return eqx.tree_at(lambda s: (s.history, s.received), self, (history, received))
+
+
+_NOTHING_OBSERVED = (
+    "`DelayedScaling.init`: the run of the function observed none of its fp8 "
+    "tensors. Either its batch is empty, or a `jax.jit` (or `eqx.filter_jit`, or "
+    "a jitted `shard_map`) inside it reused the trace made while the slots were "
+    "counted, in which no scaling was in effect: pass `init` the function without "
+    "that `jit` (`init` compiles it itself)."
+)
+_UNSEEN = (
+    "`DelayedScaling.init`: the slots {slots} observed no tensor in the run on "
+    "these arguments (a product in a `lax.cond` branch not taken, an empty batch, "
+    "or an inner `jax.jit` reusing a trace made without the scaling); they keep a "
+    "scale of 1 until a step observes them."
+)
+
+
+class _Supply:
+    """What one trace of a call under a scaling hands out, slot by slot: each
+    tensor's scale (None: current scaling) and its receiver. Without a state it
+    counts the slots (scales of 1)."""
+
+    def __init__(
+        self, state: DelayedScaling | None, weights: bool, current: bool = False
+    ):
+        self.state, self.delays_weights, self.current = state, weights, current
+        self.kinds: list[str] = []
+        self._exponents = None if state is None else state.exponents()
+        # id(array) -> (array, fp8 values, scale): an activation quantised already.
+        self._quantized: dict[int, tuple[Array, Array, Array]] = {}
+        # id(fp8 values) -> (fp8 values, receiver, amax): a weight's, whose amax no
+        # product has handed out yet.
+        self._pending: dict[int, tuple[Array, Array, Array]] = {}
+
+    def take(self, kind: str) -> tuple[Array | None, Array]:
+        index = len(self.kinds)
+        self.kinds.append(kind)
+        if self.state is None:
+            return jnp.ones((), jnp.float32), jnp.zeros(BINS, jnp.float32)
+        if index >= len(self.state.kinds) or self.state.kinds[index] != kind:
+            raise ValueError(
+                f"This program's fp8 products differ from the ones its "
+                f"`DelayedScaling` was initialised from (slot {index} is "
+                f"{'missing' if index >= len(self.state.kinds) else 'a ' + self.state.kinds[index]}"
+                f", the program quantises a{'n' if kind[0] == 'a' else ''} {kind} "
+                "there): initialise it with the same function and arguments' shapes."
+            )
+        receiver = self.state.received[index]
+        if self.current:
+            return None, receiver
+        assert self._exponents is not None
+        return lax.stop_gradient(_power_of_two(self._exponents[index])), receiver
 
     def activation(self, x: Array) -> tuple[Array, Array, tuple]:
-        """`x`'s fp8 values, their scale (shaped to broadcast against `x`) and what to
-        hand out: `((scale,), (amax,))` the first time `x` is read, else `((), ())`."""
+        """`x`'s fp8 values, their scale (shaped to broadcast against `x`) and what
+        to hand out: `((receiver,), (amax,))` the first time `x` is read."""
         entry = self._quantized.get(id(x))
         if entry is not None and entry[0] is x:
             return entry[1], entry[2], ((), ())
-        scale = self._take("activations")
-        quantized, amax = quantize_and_amax(x, scale, E4M3)
-        shaped = jnp.reshape(lax.stop_gradient(scale), (1,) * x.ndim)
+        scale, receiver = self.take("activation")
+        x = lax.stop_gradient(x)
+        amax = finite_amax(x, tuple(range(x.ndim))).reshape(())
+        if scale is None:
+            scale = scale_from_amax(amax, E4M3)
+        quantized = quantize_with(x, scale, E4M3)
+        shaped = jnp.reshape(scale, (1,) * x.ndim)
         self._quantized[id(x)] = (x, quantized, shaped)
-        return quantized, shaped, ((scale,), (amax,))
+        return quantized, shaped, ((receiver,), (amax,))
 
-    def gradient(self) -> Array:
-        return self._take("gradients")
+    def weight(
+        self, amax: Array, quantize: Callable[[Array], Array]
+    ) -> tuple[Array, Array]:
+        """A weight's fp8 values: `quantize(scale)` with its slot's scale (of
+        amax `amax` under current scaling). The first product reading those
+        values hands the amax out (a cast of the weight carries them too)."""
+        scale, receiver = self.take("weight")
+        scale = lax.stop_gradient(
+            scale_from_amax(amax, E4M3) if scale is None else scale
+        )
+        quantized = quantize(scale)
+        self._pending[id(quantized)] = (quantized, receiver, amax)
+        return quantized, scale
 
-    def weight_scale(self) -> Array:
-        return self._take("weights")
-
-    def weight_quantized(self, weight: Array, scale: Array, amax: Array) -> None:
-        self._pending[id(weight)] = (weight, scale, amax)
-
-    def weight_amax(self, weight: Any) -> tuple:
-        """What the first product reading `weight` hands out: its scale and amax."""
-        entry = self._pending.get(id(weight))
-        if entry is None or entry[0] is not weight:
+    def weight_observation(self, quantized: Array) -> tuple:
+        entry = self._pending.get(id(quantized))
+        if entry is None or entry[0] is not quantized:
             return (), ()
-        del self._pending[id(weight)]
+        del self._pending[id(quantized)]
         return (entry[1],), (entry[2],)
 
 
-_supply: contextvars.ContextVar[DelayedScales | None] = contextvars.ContextVar(
+_supply: contextvars.ContextVar[_Supply | None] = contextvars.ContextVar(
     "eqx_amp_fp8_delayed", default=None
 )
 
 
 @contextlib.contextmanager
-def delayed_scales(supply: DelayedScales) -> Iterator[DelayedScales]:
+def _using(supply: _Supply) -> Iterator[_Supply]:
     token = _supply.set(supply)
     try:
         yield supply
@@ -120,12 +318,32 @@ def delayed_scales(supply: DelayedScales) -> Iterator[DelayedScales]:
         _supply.reset(token)
 
 
-def current_supply() -> DelayedScales | None:
+@contextlib.contextmanager
+def delayed(scaling: DelayedScaling) -> Iterator[None]:
+    """Within it, the tensorwise fp8 matmuls traced (of `filter_amp`, `BiModel`
+    and `autocast`, outside any `jax.vmap`) take their scales from `scaling`, and
+    hand this step's observations out as the gradient of `scaling`.
+
+    ```python
+    with eqx_amp.fp8.delayed(scaling):
+        loss = loss_fn(model, x, y)
+    ```
+    """
+    if not isinstance(scaling, DelayedScaling):
+        raise TypeError(
+            "`eqx_amp.fp8.delayed` takes a `DelayedScaling` (made by "
+            f"`DelayedScaling.init`), got {type(scaling).__name__}."
+        )
+    with _using(_Supply(scaling, weights=scaling.weights)):
+        yield
+
+
+def current_supply() -> _Supply | None:
     return _supply.get()
 
 
 def delayed_matmul(
-    supply: DelayedScales,
+    supply: _Supply,
     lhs: Array,
     rhs: Array,
     dims: Any,
@@ -136,18 +354,33 @@ def delayed_matmul(
 ) -> Array:
     """A tensorwise fp8 matmul whose scales come from `supply`: each operand
     quantised once per call (a weight by `quantize_weights_once`, any other array
-    at its first product), the output gradient with a scale of its own."""
-    forms, scales, amaxes = [], [], []
+    at its first product), the output gradient with a slot of its own."""
+    forms, receivers, amaxes = [], [], []
     for x in (lhs, rhs):
         known = known_fp8(x)
         if known is None:
             quantized, scale, (handed, amax) = supply.activation(x)
             known = (quantized, scale)
         else:
-            handed, amax = supply.weight_amax(x)
+            handed, amax = supply.weight_observation(known[0])
         forms.append(known)
-        scales += handed
+        receivers += handed
         amaxes += amax
-    matmul = fp8_matmul_delayed(dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype)
-    delayed = (supply.gradient(), tuple(scales), tuple(amaxes))
-    return matmul(lhs, rhs, tuple(forms), delayed)
+    g_scale, g_receiver = supply.take("gradient")
+    # Output gradients are observed, and their scales kept, in units of the
+    # unscaled loss: a loss scale that changes does not make them stale.
+    factor = loss_scale_in_effect()
+    if g_scale is not None:
+        g_scale = jnp.clip(g_scale / factor, 2.0**_LOWEST, MAX_SCALE)
+    matmul = fp8_matmul_delayed(
+        dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, observation
+    )
+    # Under `shard_map` an observation varies as the tensor observed does; so must
+    # its receiver (whose gradient JAX then sums over the devices).
+    receivers = [
+        varying_over(r, compat.varying_axes(a)) for r, a in zip(receivers, amaxes)
+    ]
+    varying = compat.varying_axes(lhs) | compat.varying_axes(rhs)
+    g_receiver = varying_over(g_receiver, varying)
+    handed_out = (g_receiver, 1.0 / factor, tuple(receivers), tuple(amaxes))
+    return matmul(lhs, rhs, tuple(forms), g_scale, handed_out)

@@ -16,7 +16,15 @@ from jaxtyping import Array
 
 from .._core._platform import CPU_SUMS_HALF_PRODUCTS_IN_HALF, with_cpu_form
 from .._jaxpr import _compat as compat
-from ._scaling import E4M3, E5M2, quantize, quantize_and_amax, unscale
+from ._scaling import (
+    E4M3,
+    E5M2,
+    finite_amax,
+    quantize,
+    quantize_and_amax,
+    scale_from_amax,
+    unscale,
+)
 from ._shapes import BLOCK, fp8_eligible, free_axes
 
 
@@ -370,27 +378,36 @@ def fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
     return matmul
 
 
-def fp8_matmul_delayed(dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
+def fp8_matmul_delayed(dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, observe):
     """A tensorwise fp8 matmul with delayed scales (`_delayed`), called as
-    `matmul(lhs, rhs, known, delayed)`: both operands' fp8 forms `known`, and
-    `delayed = (g_scale, scales, amaxes)`, the output gradient's scale and the
-    scales whose cotangents are to be `amaxes` (the amaxes of the tensors they
-    quantised). The backward pass quantises the output gradient with `g_scale`,
-    takes its amax in the same pass and returns it as `g_scale`'s cotangent."""
+    `matmul(lhs, rhs, known, g_scale, handed_out)`: both operands' fp8 forms
+    `known`, the output gradient's scale `g_scale` (None: its own amax's), and
+    `handed_out = (g_receiver, g_unit, receivers, amaxes)`: arrays whose
+    cotangents are to be `observe(amax, dtype)` of the output gradient (its amax
+    times `g_unit`) and of each of `amaxes`. The backward pass takes the output
+    gradient's amax in the pass that quantises it."""
     grad_dtype = product_dtype(grad_dtype)
 
     @jax.custom_vjp
-    def matmul(lhs, rhs, known, delayed):
+    def matmul(lhs, rhs, known, g_scale, handed_out):
         return _fp8_forward(lhs, rhs, dims, "tensorwise", out_dtype, known)[0]
 
-    def forward(lhs, rhs, known, delayed):
+    def forward(lhs, rhs, known, g_scale, handed_out):
+        # The fp8 forms were made without a derivative, so a derivative of this
+        # pass (a Hessian's forward-over-reverse) would see none: refuse it here.
+        _first_order_only((lhs, rhs))
         out, residuals = _fp8_forward(lhs, rhs, dims, "tensorwise", out_dtype, known)
-        return out, (residuals, known, delayed)
+        return out, (residuals, known, g_scale, handed_out)
 
     @jax.named_scope(FP8_SCOPE)
     def backward(residuals, cotangent):
-        residuals, known, (g_scale, scales, amaxes) = residuals
+        residuals, known, g_scale, handed_out = residuals
+        g_receiver, g_unit, receivers, amaxes = handed_out
         (ql, sl, qr, sr), cotangent = _first_order_only((residuals, cotangent))
+        given = g_scale
+        if g_scale is None:  # current scaling, observed (`DelayedScaling.init`)
+            every = tuple(range(cotangent.ndim))
+            g_scale = scale_from_amax(finite_amax(cotangent, every).reshape(()), E5M2)
         qg, g_amax = quantize_and_amax(cotangent, g_scale, E5M2)
         dlhs = _operand_cotangent(qg, qr, dims, ql.ndim, True, grad_dtype)
         drhs = _operand_cotangent(qg, ql, dims, qr.ndim, False, grad_dtype)
@@ -398,12 +415,18 @@ def fp8_matmul_delayed(dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
         dlhs, drhs = dlhs.astype(jnp.float32), drhs.astype(jnp.float32)
         dlhs = unscale(dlhs, inverse_g, 1.0 / sr.reshape(()))
         drhs = unscale(drhs, inverse_g, 1.0 / sl.reshape(()))
-        handed_out = (g_amax, tuple(amaxes), jax.tree.map(jnp.zeros_like, amaxes))
+        observed = (
+            observe(g_amax * g_unit, E5M2),
+            jnp.zeros_like(g_unit),
+            tuple(observe(amax, E4M3) for amax in amaxes),
+            jax.tree.map(jnp.zeros_like, amaxes),
+        )
         return (
             dlhs.astype(lhs_dtype),
             drhs.astype(rhs_dtype),
             jax.tree.map(jnp.zeros_like, known),
-            handed_out,
+            None if given is None else jnp.zeros_like(given),
+            observed,
         )
 
     matmul.defvjp(forward, backward)

@@ -343,7 +343,7 @@ def matmul_in_fp8(lhs, rhs, dims, how: Fp8Product) -> Array:
         (tuple(lhs_batch), tuple(rhs_batch)),
     )
     if compat.is_batched(lhs) or compat.is_batched(rhs):
-        if current_supply() is not None:
+        if current_supply() is not None and how.scaling == "tensorwise":
             raise NotImplementedError(_DELAYED_BATCHED)
         params = {"dimension_numbers": dims}
         return _batched_as_one(lax.dot_general_p, params, how)(lhs, rhs)
@@ -402,8 +402,9 @@ def _known_blocks(lhs, rhs, dims) -> tuple:
 
 
 _DELAYED_BATCHED = (
-    "Delayed fp8 scales reach the products of a program traced unbatched only: apply "
-    "the wrapper outside the vmap, `filter_amp(eqx.filter_vmap(model), fp8=...)`."
+    "Delayed fp8 scales (`eqx_amp.fp8.delayed`) reach the products of a program "
+    "traced outside `jax.vmap` only: apply the wrapper outside the vmap, "
+    "`filter_amp(eqx.filter_vmap(model), fp8=...)`."
 )
 
 

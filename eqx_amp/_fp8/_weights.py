@@ -3,6 +3,7 @@
 all-gathered in fp8 (`gather_params(..., fp8=...)`, through `GatheredInFp8`, the
 methods the fp8 rules lend it)."""
 
+import functools as ft
 from collections.abc import Callable
 from typing import Any
 
@@ -203,10 +204,8 @@ def quantize_weights_once(
         # product reading each weight.
         amaxes = whole_amaxes(cast)
         for weight, w, amax in zip(weights, cast, amaxes):
-            scale = supply.weight_scale()
-            quantized = quantize_weight(w, lax.stop_gradient(scale))
-            remember_fp8(weight, quantized, lax.stop_gradient(scale))
-            supply.weight_quantized(weight, scale, amax)
+            quantized, scale = supply.weight(amax, ft.partial(quantize_weight, w))
+            remember_fp8(weight, quantized, scale)
         return
     # All the scales as one op: each weight's amax is needed at the same point, so
     # XLA combines their all-reduces into one (scales computed apart let it pair

@@ -18,6 +18,7 @@ from jaxtyping import Array, Bool, PyTree
 from .._core._axes import check_axis_name, unbound_axis_name_error
 from .._core._cast import at_least_float32, is_inexact_array
 from .._core._describe import describe
+from .._core._loss_scale_in_effect import loss_scaled_by
 from .._jaxpr import _compat as compat
 from .._sharding import recording_gathers
 from ._scales import AbstractLossScale
@@ -118,7 +119,9 @@ def _value_and_scaled_grad(
     unscales the gradients with that same scale."""
 
     def scaled_loss(x, loss_scale):
-        loss, aux = _split_output(fun(x, *args, **kwargs), has_aux)
+        factor = loss_scale.scale(jnp.ones((), jnp.float32))
+        with loss_scaled_by(jax.lax.stop_gradient(factor.astype(jnp.float32))):
+            loss, aux = _split_output(fun(x, *args, **kwargs), has_aux)
         # Scale in (at least) float32: a float16 loss times 2**16 would overflow.
         loss = loss.astype(at_least_float32(loss.dtype))
         return loss_scale.scale(loss), (loss, aux)
@@ -266,6 +269,11 @@ def scaled_step(
     if isinstance(x, GradThrough):
         x, rebuild = x.grad_target()
         fun = _Rebuilding(fun, rebuild)
+    elif isinstance(x, tuple) and any(isinstance(part, GradThrough) for part in x):
+        # `(bimodel, scaling)`: each part differentiated as it would be alone.
+        targets = [_grad_target(part) for part in x]
+        x = tuple(target for target, _ in targets)
+        fun = _Rebuilding(fun, _RebuildEach(tuple(r for _, r in targets)))
     attempt = ft.partial(
         _value_and_scaled_grad,
         fun,
@@ -289,6 +297,25 @@ def scaled_step(
     if options.has_aux:
         value = (value, aux)
     return ScaledStep(value, grads, grads_finite, used_loss_scale, new_loss_scale)
+
+
+def _grad_target(part: Any) -> tuple[PyTree, Callable[[PyTree], Any]]:
+    if isinstance(part, GradThrough):
+        return part.grad_target()
+    return part, _unchanged
+
+
+def _unchanged(part: Any) -> Any:
+    return part
+
+
+class _RebuildEach(eqx.Module):
+    """Rebuilds a tuple of first-argument parts, each by its own `rebuild`."""
+
+    rebuilds: tuple[Callable, ...]
+
+    def __call__(self, targets: tuple) -> tuple:
+        return tuple(rebuild(t) for rebuild, t in zip(self.rebuilds, targets))
 
 
 class _Rebuilding(eqx.Module):
