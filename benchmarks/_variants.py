@@ -230,21 +230,13 @@ filter_amp_fp8_paying = wrapped(
 
 
 def filter_amp_fp8_delayed(weights: bool, history: int = 16, rule=None):
-    """`filter_amp(eqx.filter_vmap(model), fp8=TENSORWISE)` with delayed scaling, as
-    Transformer Engine's recipe has it: each activation's and output gradient's
-    scale (and with `weights`, each weight's) from the largest of its last `history`
-    amaxes, kept in the training state (scale 1 before any), this step's amaxes
-    coming out as the gradients of the scales, taken in the pass that quantises each
-    tensor. A measurement prototype through eqx_amp's internal `_fp8._delayed` (no
-    public recipe: RESULTS.md, "Delayed scaling, measured", says why). The wrapper
-    goes outside the vmap (the fp8 guide's form), which compiles to the same program
-    as `filter_amp_fp8` with current scaling."""
-    from eqx_amp._fp8._delayed import DelayedScales, delayed_scales
-    from eqx_amp._fp8._scaling import E4M3, E5M2
-
-    kinds = {"activations": E4M3, "gradients": E5M2}
-    if weights:
-        kinds["weights"] = E4M3
+    """`filter_amp(eqx.filter_vmap(model), fp8=TENSORWISE)` with delayed scaling
+    (`eqx_amp.fp8.DelayedScaling`, Transformer Engine's recipe): each activation's
+    and output gradient's scale (and with `weights`, each weight's) from the largest
+    of its last `history` amaxes, kept in the training state, this step's amaxes
+    taken in the pass that quantises each tensor. The state starts uncalibrated
+    (scales of 1): the compiled step is the same, and the benchmarks compile
+    models too large to run on a CPU."""
 
     def build(task: Task) -> Built:
         optimizer = task.optimizer
@@ -256,52 +248,32 @@ def filter_amp_fp8_delayed(weights: bool, history: int = 16, rule=None):
             )  # fmt: skip
             return amp(x)
 
-        def loss_fn(diff, x, y):
-            model, scales = diff
-            supply = DelayedScales(
-                scales["activations"], scales["gradients"], scales.get("weights")
-            )
-            with delayed_scales(supply):
-                return cross_entropy(forward(model, x), y)
+        def loss_fn(model, x, y):
+            return cross_entropy(forward(model, x), y)
+
+        def scaled_loss(diff, x, y):
+            model, scaling = diff
+            with eqx_amp.fp8.delayed(scaling):
+                return loss_fn(model, x, y)
 
         def step(state, batch):
-            model, opt_state, histories = state
-            scales = {
-                k: list(_delayed_scale(h, kinds[k])) for k, h in histories.items()
-            }
-            loss, (grads, amaxes) = eqx.filter_value_and_grad(loss_fn)(
-                (model, scales), *batch
+            model, opt_state, scaling = state
+            loss, (grads, observed) = eqx.filter_value_and_grad(scaled_loss)(
+                (model, scaling), *batch
             )
             updates, opt_state = optimizer.update(grads, opt_state, _params(model))
-            histories = {
-                k: jnp.concatenate([jnp.stack(amaxes[k])[:, None], h[:, :-1]], axis=1)
-                for k, h in histories.items()
-            }
-            return (eqx.apply_updates(model, updates), opt_state, histories), loss
+            scaling = scaling.update(observed)
+            return (eqx.apply_updates(model, updates), opt_state, scaling), loss
 
-        x, _ = task.batch(0)
-        counting = DelayedScales.counting(weights=weights)
-        with delayed_scales(counting):
-            eqx.filter_eval_shape(forward, task.model, x)
-        histories = {
-            k: jnp.zeros((counting.taken[k], history), jnp.float32) for k in kinds
-        }
-        state = (task.model, optimizer.init(_params(task.model)), histories)
-        loss_of, diff_args = _loss_of_params(
-            lambda m, x, y: cross_entropy(forward(m, x), y), task.model, task.batch(0)
-        )
+        scaling = eqx_amp.fp8.DelayedScaling.init(
+            loss_fn, task.model, *task.batch(0), history=history, weights=weights,
+            calibrate=False,
+        )  # fmt: skip
+        state = (task.model, optimizer.init(_params(task.model)), scaling)
+        loss_of, diff_args = _loss_of_params(loss_fn, task.model, task.batch(0))
         return Built(step, state, loss_of, diff_args, master=lambda s: s[0])
 
     return build
-
-
-def _delayed_scale(history, dtype):
-    """The scale of each row's tensor from its amax history: from the largest amax
-    (a power of two, as current scaling's), 1 while there is none."""
-    from eqx_amp._fp8._scaling import scale_from_amax
-
-    amax = jnp.max(history, axis=1)
-    return jnp.where(amax > 0, scale_from_amax(amax, dtype), 1.0)
 
 
 def bimodel(dtype: str, fp8=None):

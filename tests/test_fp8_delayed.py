@@ -3,6 +3,7 @@ quantised with scales from earlier steps' amaxes, the amaxes handed out as the
 gradient of the state, hostile inputs included."""
 
 import json
+import warnings
 
 import equinox as eqx
 import jax
@@ -126,6 +127,18 @@ def test_the_scale_follows_the_largest_amax_of_the_history(getkey):
         seen.append(float(scale_from_amax(jnp.max(jnp.abs(xs)), E4M3)))
         # The smallest scale (largest amax) of the last two steps.
         assert float(scaling.scales()[first]) == min(seen[-2:])
+
+
+def test_without_calibration_every_scale_starts_at_one(getkey):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y, calibrate=False)
+    np.testing.assert_array_equal(scaling.scales(), 1.0)
+    _, _, observed = _delayed_value_and_grad(loss_fn)(model, scaling, x, y)
+    calibrated = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    np.testing.assert_array_equal(
+        scaling.update(observed).scales(), calibrated.scales()
+    )
 
 
 def test_margin_halves_each_scale(getkey):
@@ -364,6 +377,8 @@ def test_bad_inputs_are_refused(getkey):
         init(loss_fn, model, x, y, margin=-1)
     with pytest.raises(TypeError, match="`weights` must be a bool"):
         init(loss_fn, model, x, y, weights="yes")
+    with pytest.raises(TypeError, match="`calibrate` must be a bool"):
+        init(loss_fn, model, x, y, calibrate=1)
     with pytest.raises(ValueError, match="runs no tensorwise fp8 matmul"):
         init(lambda m, x, y: jnp.sum(jax.vmap(m)(x)), model, x, y)
     scaling = init(loss_fn, model, x, y, history=np.int64(3))
@@ -488,3 +503,36 @@ def test_slots_a_run_does_not_reach_are_named_and_keep_a_scale_of_one(getkey):
     assert scaling.kinds == ("activation", "activation", "gradient") * 2
     assert np.all(scaling.scales()[:3] != 1.0)
     np.testing.assert_array_equal(scaling.scales()[3:], 1.0)
+
+
+def test_a_convolutions_kernel_keeps_current_scaling(getkey):
+    class ConvThenDense(eqx.Module):
+        conv: eqx.nn.Conv2d
+        dense: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.dense(jnp.ravel(self.conv(x)))
+
+    model = ConvThenDense(
+        eqx.nn.Conv2d(16, 16, 3, padding=1, key=getkey()),
+        eqx.nn.Linear(16 * 4 * 4, 32, key=getkey()),
+    )
+    x, y = jr.normal(getkey(), (16, 16, 4, 4)), jr.normal(getkey(), (16, 32))
+    rules = {
+        jax.lax.dot_general_p: TENSORWISE,
+        jax.lax.conv_general_dilated_p: TENSORWISE,
+    }
+
+    def loss_fn(model, x, y):
+        out = eqx_amp.autocast(eqx.filter_vmap(model), rules=rules)(x)
+        return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every slot observed
+        scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    # The dense layer's weight, input and output gradient; not the kernel's.
+    assert scaling.kinds == ("weight", "activation", "gradient")
+    loss, grads, _ = _delayed_value_and_grad(loss_fn)(model, scaling, x, y)
+    _same(
+        (loss, grads), eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, x, y)
+    )

@@ -29,3 +29,8 @@ def loss_scale_in_effect() -> Array:
     """The float32 factor of the loss being traced (1 outside a loss-scaled one)."""
     factor = _factor.get()
     return jnp.ones((), jnp.float32) if factor is None else factor
+
+
+def has_loss_scale() -> bool:
+    """Whether a loss-scaled gradient function is tracing the loss."""
+    return _factor.get() is not None

@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from .._core._loss_scale_in_effect import loss_scale_in_effect
+from .._core._loss_scale_in_effect import has_loss_scale, loss_scale_in_effect
 from .._jaxpr import _compat as compat
 from ._products import fp8_matmul_delayed, known_fp8, varying_over
 from ._scaling import (
@@ -115,13 +115,16 @@ class DelayedScaling(eqx.Module):
         weights: bool = True,
         margin: int = 0,
         has_aux: bool = False,
+        calibrate: bool = True,
         **kwargs: Any,
     ) -> "DelayedScaling":
         """The delayed scaling of `fn(*args, **kwargs)` (a scalar loss, or
         `(loss, aux)` with `has_aux`), its slots counted by tracing `fn` and its
         history started from one run of it with current scaling (one forward and
         backward pass on these arguments), so the first step's scales are those
-        arguments' own. With `weights=False` weights keep current scaling.
+        arguments' own (`calibrate=False` skips that run: every scale starts at 1,
+        as Transformer Engine's do). With `weights=False` weights keep current
+        scaling.
 
         ```python
         scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y, history=16)
@@ -134,8 +137,9 @@ class DelayedScaling(eqx.Module):
                 raise TypeError(f"`{name}` must be an integer, got {value!r}.")
             if value < least:
                 raise ValueError(f"`{name}` must be at least {least}, got {value}.")
-        if not isinstance(weights, bool):
-            raise TypeError(f"`weights` must be a bool, got {weights!r}.")
+        for name, value in (("weights", weights), ("calibrate", calibrate)):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be a bool, got {value!r}.")
 
         counting = _Supply(None, weights=weights)
         with _using(counting):
@@ -154,6 +158,9 @@ class DelayedScaling(eqx.Module):
             margin=int(margin),
             weights=weights,
         )
+
+        if not calibrate:
+            return state
 
         @eqx.filter_jit
         @eqx.filter_grad
@@ -240,7 +247,19 @@ class _Supply:
     ):
         self.state, self.delays_weights, self.current = state, weights, current
         self.kinds: list[str] = []
-        self._exponents = None if state is None else state.exponents()
+        # Every scale as one vector: XLA computes them (and the inverses the
+        # products' unscaling reads) in one kernel, not one per product.
+        self._scales = None
+        self.unit = loss_scale_in_effect()
+        if state is not None and state.kinds:
+            scales = _power_of_two(state.exponents())
+            if has_loss_scale():
+                # Output gradients' scales are kept in units of the unscaled loss:
+                # a loss scale that changes does not make them stale.
+                is_gradient = np.array([k == "gradient" for k in state.kinds])
+                in_range = jnp.clip(scales / self.unit, 2.0**_LOWEST, MAX_SCALE)
+                scales = jnp.where(is_gradient, in_range, scales)
+            self._scales = lax.stop_gradient(scales)
         # id(array) -> (array, fp8 values, scale): an activation quantised already.
         self._quantized: dict[int, tuple[Array, Array, Array]] = {}
         # id(fp8 values) -> (fp8 values, receiver, amax): a weight's, whose amax no
@@ -263,8 +282,8 @@ class _Supply:
         receiver = self.state.received[index]
         if self.current:
             return None, receiver
-        assert self._exponents is not None
-        return lax.stop_gradient(_power_of_two(self._exponents[index])), receiver
+        assert self._scales is not None
+        return self._scales[index], receiver
 
     def activation(self, x: Array) -> tuple[Array, Array, tuple]:
         """`x`'s fp8 values, their scale (shaped to broadcast against `x`) and what
@@ -367,11 +386,6 @@ def delayed_matmul(
         receivers += handed
         amaxes += amax
     g_scale, g_receiver = supply.take("gradient")
-    # Output gradients are observed, and their scales kept, in units of the
-    # unscaled loss: a loss scale that changes does not make them stale.
-    factor = loss_scale_in_effect()
-    if g_scale is not None:
-        g_scale = jnp.clip(g_scale / factor, 2.0**_LOWEST, MAX_SCALE)
     matmul = fp8_matmul_delayed(
         dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, observation
     )
@@ -382,5 +396,5 @@ def delayed_matmul(
     ]
     varying = compat.varying_axes(lhs) | compat.varying_axes(rhs)
     g_receiver = varying_over(g_receiver, varying)
-    handed_out = (g_receiver, 1.0 / factor, tuple(receivers), tuple(amaxes))
+    handed_out = (g_receiver, 1.0 / supply.unit, tuple(receivers), tuple(amaxes))
     return matmul(lhs, rhs, tuple(forms), g_scale, handed_out)

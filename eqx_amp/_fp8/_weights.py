@@ -187,6 +187,7 @@ def quantize_weights_once(
         if origin is Origin.PARAMS
     }
     read: dict[Any, None] = {}  # in the program's order: the amaxes' order is fixed
+    convolved = set()  # kernels of convolutions: no delayed scales reach those
     for eqn in jaxpr.eqns:
         if eqn.primitive not in FP8_PRIMITIVES or not in_fp8(eqn):
             continue
@@ -194,6 +195,8 @@ def quantize_weights_once(
             w = None if isinstance(atom, compat.Literal) else param_of.get(atom)
             if w is not None and _takes_fp8(eqn, position, w):
                 read[atom] = None
+                if eqn.primitive is lax.conv_general_dilated_p:
+                    convolved.add(atom)
     weights = [param_of[atom] for atom in read]
     if not weights:
         return
@@ -203,8 +206,12 @@ def quantize_weights_once(
         # Delayed: the scales are given; the amaxes are handed out by the first
         # product reading each weight.
         amaxes = whole_amaxes(cast)
-        for weight, w, amax in zip(weights, cast, amaxes):
-            quantized, scale = supply.weight(amax, ft.partial(quantize_weight, w))
+        for atom, weight, w, amax in zip(read, weights, cast, amaxes):
+            if atom in convolved:
+                scale = scale_from_amax(amax, E4M3)
+                quantized = quantize_weight(w, scale)
+            else:
+                quantized, scale = supply.weight(amax, ft.partial(quantize_weight, w))
             remember_fp8(weight, quantized, scale)
         return
     # All the scales as one op: each weight's amax is needed at the same point, so

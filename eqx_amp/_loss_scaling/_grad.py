@@ -223,9 +223,11 @@ def filter_value_and_grad(
 
     - `value`: the unscaled loss, in float32 (or wider, if `fun` returns float64);
         `(loss, aux)` with `has_aux=True`.
-    - `grads`: the unscaled gradients, with the structure of the first argument.
-        Gradients of half-precision leaves are unscaled in float32 and returned in
-        float32, so unscaling never rounds them to half precision.
+    - `grads`: the unscaled gradients, with the structure of the first argument
+        (a `BiModel` is differentiated through its compute copy, also as a part of
+        a tuple first argument such as `(bimodel, fp8_scaling)`). Gradients of
+        half-precision leaves are unscaled in float32 and returned in float32, so
+        unscaling never rounds them to half precision.
     - `new_loss_scale`: `ls.adjust(grads_finite)`, the scale for the next step.
     - `grads_finite`: a boolean scalar, whether every gradient is finite. Skipping
         the step when it is `False` is the caller's choice: use
