@@ -103,12 +103,13 @@ def test_fp8_where_it_pays_is_faster_than_bfloat16(roofline):
 def flash_llama():
     """The Llama-style step (one block of 4096, SwiGLU 14336, seq 4096, batch 1) with
     cuDNN's flash attention, as such a model is trained on a GPU, compiled for an
-    H100: hand-cast bfloat16's roofline, `autocast`'s and the fp8 step's."""
+    H100: hand-cast bfloat16's roofline, `autocast`'s, the fp8 step's and that step
+    with delayed scaling (`eqx_amp.fp8.DelayedScaling`, weights' scales too)."""
     return result_of_compile_script(
         ROOFLINE_SCRIPT,
         "llama",
         "depth=1,attention=cudnn",
-        "hand_bf16,autocast_bf16,filter_amp_fp8",
+        "hand_bf16,autocast_bf16,filter_amp_fp8,filter_amp_fp8_delayed_weights",
     )
 
 
@@ -134,3 +135,17 @@ def test_fp8_pays_at_llama_size_with_flash_attention(flash_llama):
     assert fp8["time_s_with_launches"] <= 0.81 * hand["time_s_with_launches"]
     ideal = _gpu_hlo.ideal_ratio(fp8, hand)
     assert ideal == pytest.approx(0.678, abs=0.005)
+
+
+def test_delayed_scaling_is_faster_than_current_at_llama_size(flash_llama):
+    """As compiled today: 0.736x hand-cast's step (0.748x with launches; two blocks:
+    0.731x and 0.742x), against current scaling's 0.776x (0.798x): each tensor's
+    amax comes out of the pass that quantises it. Every product current scaling runs
+    in fp8 still does."""
+    hand = flash_llama["hand_bf16"]
+    current = flash_llama["filter_amp_fp8"]
+    delayed = flash_llama["filter_amp_fp8_delayed_weights"]
+    assert delayed["gemm_flops"] == current["gemm_flops"]
+    assert delayed["time_s"] <= 0.745 * hand["time_s"]
+    assert delayed["time_s_with_launches"] <= 0.755 * hand["time_s_with_launches"]
+    assert delayed["kernels"] < current["kernels"]
