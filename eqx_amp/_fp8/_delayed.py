@@ -34,6 +34,7 @@ from jaxtyping import Array, Float, Int
 
 from .._core._loss_scale_in_effect import has_loss_scale, loss_scale_in_effect
 from .._jaxpr import _compat as compat
+from .._jaxpr._evaluate import inlining_calls
 from ._products import fp8_matmul_delayed, known_fp8, varying_over
 from ._scaling import (
     E4M3,
@@ -49,6 +50,7 @@ _OFFSET = 128  # bin of the scale 2**k: k + _OFFSET
 _ZERO_BIN = BINS - 1  # an all-zero (or all non-finite) tensor
 _NONE = 127  # a history entry without an observation: above every exponent
 _LOWEST = -126  # the smallest scale exponent: its inverse is float32's largest binade
+_MARGIN_LIMIT = 16
 
 
 def observation(amax: Array, dtype: np.dtype) -> Float[Array, " 256"]:
@@ -58,6 +60,13 @@ def observation(amax: Array, dtype: np.dtype) -> Float[Array, " 256"]:
     exponent = (lax.bitcast_convert_type(scale, jnp.int32) >> 23) - 127
     index = jnp.where(amax > 0, exponent + _OFFSET, _ZERO_BIN)
     return (lax.iota(jnp.int32, BINS) == index).astype(jnp.float32)
+
+
+def _rounded_down(x: Array) -> Array:
+    """The largest power of two at most the positive normal float32 `x` (exact: its
+    mantissa bits cleared), so that scaling stays exact under any loss scale."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFF800000)
+    return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _power_of_two(exponent: Array) -> Array:
@@ -103,6 +112,8 @@ class DelayedScaling(eqx.Module):
     history: Int[Array, "slots history"]
     received: tuple[Float[Array, " 256"], ...]
     kinds: tuple[str, ...] = eqx.field(static=True)
+    # Each slot's sizes: its product's contracting sizes (a weight: its shape).
+    sizes: tuple[tuple[int, ...], ...] = eqx.field(static=True)
     margin: int = eqx.field(static=True)
     weights: bool = eqx.field(static=True)
 
@@ -137,6 +148,12 @@ class DelayedScaling(eqx.Module):
                 raise TypeError(f"`{name}` must be an integer, got {value!r}.")
             if value < least:
                 raise ValueError(f"`{name}` must be at least {least}, got {value}.")
+        if margin > _MARGIN_LIMIT:
+            raise ValueError(
+                f"`margin` must be at most {_MARGIN_LIMIT}, got {margin}: each step "
+                "of margin halves the scales, and e4m3 spans 17 binades, so a larger "
+                "one rounds every value to zero."
+            )
         for name, value in (("weights", weights), ("calibrate", calibrate)):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool, got {value!r}.")
@@ -155,6 +172,7 @@ class DelayedScaling(eqx.Module):
             history=jnp.full((len(counting.kinds), int(history)), _NONE, jnp.int32),
             received=tuple(jnp.zeros(BINS, jnp.float32) for _ in counting.kinds),
             kinds=tuple(counting.kinds),
+            sizes=tuple(counting.sizes),
             margin=int(margin),
             weights=weights,
         )
@@ -201,7 +219,10 @@ class DelayedScaling(eqx.Module):
         scaling = scaling.update(observed)
         ```
         """
-        if not isinstance(observed, DelayedScaling) or observed.kinds != self.kinds:
+        if not isinstance(observed, DelayedScaling) or (
+            observed.kinds,
+            observed.sizes,
+        ) != (self.kinds, self.sizes):
             raise TypeError(
                 "`DelayedScaling.update` takes the gradient of the loss with "
                 "respect to this scaling (a `DelayedScaling` with the same slots), "
@@ -212,10 +233,11 @@ class DelayedScaling(eqx.Module):
         counts = jnp.stack([jnp.asarray(r, jnp.float32) for r in observed.received])
         if axis_name is not None:
             counts = lax.psum(counts, axis_name)
-        # NaN counts (a skipped step's gradients) hit no bin.
+        # NaN counts (a skipped step's gradients) hit no bin. A slot that observed
+        # nothing, or only zeros, repeats its newest entry: its scale stays.
         hit = counts[:, :_ZERO_BIN] > 0
         newest = jnp.where(
-            hit.any(axis=1), jnp.argmax(hit, axis=1) - _OFFSET, _NONE
+            hit.any(axis=1), jnp.argmax(hit, axis=1) - _OFFSET, self.history[:, 0]
         ).astype(jnp.int32)
         history = jnp.concatenate([newest[:, None], self.history[:, :-1]], axis=1)
         received = tuple(jnp.zeros(BINS, jnp.float32) for _ in self.kinds)
@@ -224,10 +246,17 @@ class DelayedScaling(eqx.Module):
 
 _NOTHING_OBSERVED = (
     "`DelayedScaling.init`: the run of the function observed none of its fp8 "
-    "tensors. Either its batch is empty, or a `jax.jit` (or `eqx.filter_jit`, or "
-    "a jitted `shard_map`) inside it reused the trace made while the slots were "
-    "counted, in which no scaling was in effect: pass `init` the function without "
-    "that `jit` (`init` compiles it itself)."
+    "tensors. Either no product ran in fp8 on these arguments (an empty batch, or "
+    "sizes an fp8 GEMM does not take: multiples of 16), or a `jax.jit` (or "
+    "`eqx.filter_jit`, or a jitted `shard_map`) around the function reused the "
+    "trace made while the slots were counted, in which no scaling was in effect: "
+    "pass `init` the function without that `jit` (`init` compiles it itself)."
+)
+_DIFFERENT_PROGRAM = (
+    "This program's fp8 products differ from the ones its `DelayedScaling` was "
+    "initialised from ({detail}). Initialise it from the same function with "
+    "arguments of the same shapes: a batch size that is not a multiple of 16 can "
+    "take a product out of fp8."
 )
 _UNSEEN = (
     "`DelayedScaling.init`: the slots {slots} observed no tensor in the run on "
@@ -247,6 +276,7 @@ class _Supply:
     ):
         self.state, self.delays_weights, self.current = state, weights, current
         self.kinds: list[str] = []
+        self.sizes: list[tuple[int, ...]] = []
         # Every scale as one vector: XLA computes them (and the inverses the
         # products' unscaling reads) in one kernel, not one per product.
         self._scales = None
@@ -258,7 +288,7 @@ class _Supply:
                 # a loss scale that changes does not make them stale.
                 is_gradient = np.array([k == "gradient" for k in state.kinds])
                 in_range = jnp.clip(scales / self.unit, 2.0**_LOWEST, MAX_SCALE)
-                scales = jnp.where(is_gradient, in_range, scales)
+                scales = jnp.where(is_gradient, _rounded_down(in_range), scales)
             self._scales = lax.stop_gradient(scales)
         # id(array) -> (array, fp8 values, scale): an activation quantised already.
         self._quantized: dict[int, tuple[Array, Array, Array]] = {}
@@ -266,18 +296,27 @@ class _Supply:
         # product has handed out yet.
         self._pending: dict[int, tuple[Array, Array, Array]] = {}
 
-    def take(self, kind: str) -> tuple[Array | None, Array]:
+    def take(self, kind: str, sizes: tuple[int, ...]) -> tuple[Array | None, Array]:
         index = len(self.kinds)
         self.kinds.append(kind)
+        self.sizes.append(tuple(sizes))
         if self.state is None:
             return jnp.ones((), jnp.float32), jnp.zeros(BINS, jnp.float32)
-        if index >= len(self.state.kinds) or self.state.kinds[index] != kind:
+        state = self.state
+        if index >= len(state.kinds) or (state.kinds[index], state.sizes[index]) != (
+            kind,
+            tuple(sizes),
+        ):
+            held = (
+                "none"
+                if index >= len(state.kinds)
+                else f"{state.kinds[index]} of sizes {state.sizes[index]}"
+            )
             raise ValueError(
-                f"This program's fp8 products differ from the ones its "
-                f"`DelayedScaling` was initialised from (slot {index} is "
-                f"{'missing' if index >= len(self.state.kinds) else 'a ' + self.state.kinds[index]}"
-                f", the program quantises a{'n' if kind[0] == 'a' else ''} {kind} "
-                "there): initialise it with the same function and arguments' shapes."
+                _DIFFERENT_PROGRAM.format(
+                    detail=f"its slot {index} holds {held}; the program quantises "
+                    f"{kind} of sizes {tuple(sizes)} there"
+                )
             )
         receiver = self.state.received[index]
         if self.current:
@@ -285,29 +324,32 @@ class _Supply:
         assert self._scales is not None
         return self._scales[index], receiver
 
-    def activation(self, x: Array) -> tuple[Array, Array, tuple]:
+    def activation(
+        self, x: Array, sizes: tuple[int, ...]
+    ) -> tuple[Array, Array, tuple]:
         """`x`'s fp8 values, their scale (shaped to broadcast against `x`) and what
-        to hand out: `((receiver,), (amax,))` the first time `x` is read."""
+        to hand out: `((receiver,), (amax,))` the first time `x` is read (by a
+        product contracting `sizes`)."""
         entry = self._quantized.get(id(x))
         if entry is not None and entry[0] is x:
             return entry[1], entry[2], ((), ())
-        scale, receiver = self.take("activation")
-        x = lax.stop_gradient(x)
-        amax = finite_amax(x, tuple(range(x.ndim))).reshape(())
+        scale, receiver = self.take("activation", sizes)
+        values = lax.stop_gradient(x)
+        amax = finite_amax(values, tuple(range(x.ndim))).reshape(())
         if scale is None:
             scale = scale_from_amax(amax, E4M3)
-        quantized = quantize_with(x, scale, E4M3)
+        quantized = quantize_with(values, scale, E4M3)
         shaped = jnp.reshape(scale, (1,) * x.ndim)
         self._quantized[id(x)] = (x, quantized, shaped)
         return quantized, shaped, ((receiver,), (amax,))
 
     def weight(
-        self, amax: Array, quantize: Callable[[Array], Array]
+        self, weight: Array, amax: Array, quantize: Callable[[Array], Array]
     ) -> tuple[Array, Array]:
-        """A weight's fp8 values: `quantize(scale)` with its slot's scale (of
+        """`weight`'s fp8 values: `quantize(scale)` with its slot's scale (of
         amax `amax` under current scaling). The first product reading those
         values hands the amax out (a cast of the weight carries them too)."""
-        scale, receiver = self.take("weight")
+        scale, receiver = self.take("weight", weight.shape)
         scale = lax.stop_gradient(
             scale_from_amax(amax, E4M3) if scale is None else scale
         )
@@ -330,9 +372,12 @@ _supply: contextvars.ContextVar[_Supply | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def _using(supply: _Supply) -> Iterator[_Supply]:
+    # A `jit` inside the program is inlined: its body, traced as a program of its
+    # own, would hold the scales and receivers of this trace as constants.
     token = _supply.set(supply)
     try:
-        yield supply
+        with inlining_calls():
+            yield supply
     finally:
         _supply.reset(token)
 
@@ -353,8 +398,16 @@ def delayed(scaling: DelayedScaling) -> Iterator[None]:
             "`eqx_amp.fp8.delayed` takes a `DelayedScaling` (made by "
             f"`DelayedScaling.init`), got {type(scaling).__name__}."
         )
-    with _using(_Supply(scaling, weights=scaling.weights)):
+    supply = _Supply(scaling, weights=scaling.weights)
+    with _using(supply):
         yield
+    if len(supply.kinds) < len(scaling.kinds):
+        raise ValueError(
+            _DIFFERENT_PROGRAM.format(
+                detail=f"it holds {len(scaling.kinds)} slots; the program quantised "
+                f"{len(supply.kinds)} tensors"
+            )
+        )
 
 
 def current_supply() -> _Supply | None:
@@ -375,17 +428,18 @@ def delayed_matmul(
     quantised once per call (a weight by `quantize_weights_once`, any other array
     at its first product), the output gradient with a slot of its own."""
     forms, receivers, amaxes = [], [], []
+    contracting = tuple(lhs.shape[a] for a in dims[0][0])
     for x in (lhs, rhs):
         known = known_fp8(x)
         if known is None:
-            quantized, scale, (handed, amax) = supply.activation(x)
+            quantized, scale, (handed, amax) = supply.activation(x, contracting)
             known = (quantized, scale)
         else:
             handed, amax = supply.weight_observation(known[0])
         forms.append(known)
         receivers += handed
         amaxes += amax
-    g_scale, g_receiver = supply.take("gradient")
+    g_scale, g_receiver = supply.take("gradient", contracting)
     matmul = fp8_matmul_delayed(
         dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, observation
     )

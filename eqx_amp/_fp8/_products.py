@@ -415,10 +415,13 @@ def fp8_matmul_delayed(dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, observ
         dlhs, drhs = dlhs.astype(jnp.float32), drhs.astype(jnp.float32)
         dlhs = unscale(dlhs, inverse_g, 1.0 / sr.reshape(()))
         drhs = unscale(drhs, inverse_g, 1.0 / sl.reshape(()))
+        # Each hit counts the loss scale, which unscaling the gradients divides
+        # out: a count of 2**-127 would be flushed to zero on the way.
+        count = 1.0 / g_unit
         observed = (
-            observe(g_amax * g_unit, E5M2),
+            observe(g_amax * g_unit, E5M2) * count,
             jnp.zeros_like(g_unit),
-            tuple(observe(amax, E4M3) for amax in amaxes),
+            tuple(observe(amax, E4M3) * count for amax in amaxes),
             jax.tree.map(jnp.zeros_like, amaxes),
         )
         return (

@@ -211,7 +211,9 @@ def quantize_weights_once(
                 scale = scale_from_amax(amax, E4M3)
                 quantized = quantize_weight(w, scale)
             else:
-                quantized, scale = supply.weight(amax, ft.partial(quantize_weight, w))
+                quantized, scale = supply.weight(
+                    weight, amax, ft.partial(quantize_weight, w)
+                )
             remember_fp8(weight, quantized, scale)
         return
     # All the scales as one op: each weight's amax is needed at the same point, so

@@ -37,9 +37,11 @@ alone (literals, the jaxpr's constants, and what is computed from them only), fr
 parameters and constants (the arguments a caller marks as parameters), or from data.
 """
 
+import contextlib
+import contextvars
 import functools as ft
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -295,8 +297,23 @@ def _inline(param: str) -> Callable:
     return rule
 
 
+_inlined = contextvars.ContextVar("eqx_amp_inlining_calls", default=False)
+
+
+@contextlib.contextmanager
+def inlining_calls() -> Iterator[None]:
+    """Within it, the passes inline `jit` calls rather than trace their bodies as
+    programs of their own: for hooks whose equations read values of the enclosing
+    trace (delayed fp8 scales), which such a program would hold as constants."""
+    token = _inlined.set(True)
+    try:
+        yield
+    finally:
+        _inlined.reset(token)
+
+
 def _jit(eqn, invals, in_origins, frame, hook):
-    if hook.eager or hook.makes_values:
+    if hook.eager or hook.makes_values or _inlined.get():
         return _inline("jaxpr")(eqn, invals, in_origins, frame, hook)
     body, out_origins = _body(eqn.params["jaxpr"], hook, frame.call(eqn), in_origins)
 

@@ -269,11 +269,15 @@ def scaled_step(
     if isinstance(x, GradThrough):
         x, rebuild = x.grad_target()
         fun = _Rebuilding(fun, rebuild)
-    elif isinstance(x, tuple) and any(isinstance(part, GradThrough) for part in x):
-        # `(bimodel, scaling)`: each part differentiated as it would be alone.
-        targets = [_grad_target(part) for part in x]
-        x = tuple(target for target, _ in targets)
-        fun = _Rebuilding(fun, _RebuildEach(tuple(r for _, r in targets)))
+    else:
+        # `(bimodel, scaling)`, or any container holding a `BiModel`: each one
+        # differentiated as it would be alone.
+        parts, treedef = jtu.tree_flatten(x, is_leaf=_is_grad_through)
+        if any(_is_grad_through(part) for part in parts):
+            targets = [_grad_target(part) for part in parts]
+            x = jtu.tree_unflatten(treedef, [target for target, _ in targets])
+            rebuilds = tuple(rebuild for _, rebuild in targets)
+            fun = _Rebuilding(fun, _RebuildEach(treedef, rebuilds))
     attempt = ft.partial(
         _value_and_scaled_grad,
         fun,
@@ -299,6 +303,10 @@ def scaled_step(
     return ScaledStep(value, grads, grads_finite, used_loss_scale, new_loss_scale)
 
 
+def _is_grad_through(node: Any) -> bool:
+    return isinstance(node, GradThrough)
+
+
 def _grad_target(part: Any) -> tuple[PyTree, Callable[[PyTree], Any]]:
     if isinstance(part, GradThrough):
         return part.grad_target()
@@ -310,12 +318,16 @@ def _unchanged(part: Any) -> Any:
 
 
 class _RebuildEach(eqx.Module):
-    """Rebuilds a tuple of first-argument parts, each by its own `rebuild`."""
+    """Rebuilds a first argument holding `GradThrough`s (`treedef`, with them as
+    leaves) from its differentiated parts, each by its own `rebuild`."""
 
+    treedef: Any = eqx.field(static=True)
     rebuilds: tuple[Callable, ...]
 
-    def __call__(self, targets: tuple) -> tuple:
-        return tuple(rebuild(t) for rebuild, t in zip(self.rebuilds, targets))
+    def __call__(self, targets: PyTree) -> PyTree:
+        parts = self.treedef.flatten_up_to(targets)
+        rebuilt = [rebuild(part) for rebuild, part in zip(self.rebuilds, parts)]
+        return jtu.tree_unflatten(self.treedef, rebuilt)
 
 
 class _Rebuilding(eqx.Module):
