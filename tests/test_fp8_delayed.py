@@ -684,3 +684,41 @@ def test_products_reading_one_array_share_its_slot(getkey):
         (loss, grads), eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, x, y)
     )
     np.testing.assert_array_equal(np.stack(observed.received).sum(axis=1), 1.0)
+
+
+def test_the_state_round_trips_through_a_checkpoint(getkey, tmp_path):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y, history=3)
+    scaling = scaling.update(
+        _delayed_value_and_grad(loss_fn)(model, scaling, 4 * x, y)[2]
+    )
+    path = tmp_path / "scaling.eqx"
+    eqx.tree_serialise_leaves(path, scaling)
+    like = eqx_amp.fp8.DelayedScaling.init(
+        loss_fn, model, x, y, history=3, calibrate=False
+    )
+    restored = eqx.tree_deserialise_leaves(path, like)
+    _same(restored, scaling)
+    np.testing.assert_array_equal(restored.scales(), scaling.scales())
+
+
+def test_an_ensemble_vmapped_over_the_whole_step(getkey):
+    models = eqx.filter_vmap(lambda k: _mlp(k))(jr.split(getkey(), 2))
+    x, y = _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    first = jax.tree.map(lambda a: a[0] if eqx.is_array(a) else a, models)
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, first, x, y)
+
+    def member(model):
+        def scaled(diff):
+            with eqx_amp.fp8.delayed(diff[1]):
+                return loss_fn(diff[0], x, y)
+
+        loss, (_, observed) = eqx.filter_value_and_grad(scaled)((model, scaling))
+        return loss, scaling.update(observed).exponents()
+
+    losses, exponents = eqx.filter_jit(eqx.filter_vmap(member))(models)
+    expected = eqx.filter_jit(eqx.filter_vmap(lambda m: loss_fn(m, x, y)))(models)
+    np.testing.assert_array_equal(losses[0], expected[0])
+    assert exponents.shape == (2, len(scaling.kinds))
