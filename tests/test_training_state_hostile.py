@@ -36,6 +36,8 @@ import pytest
 import eqx_amp
 from eqx_amp._optim._codec import encode
 
+from .helpers import rel_error
+
 
 BF16 = jnp.bfloat16
 F32_MAX = float(jnp.finfo(jnp.float32).max)
@@ -290,6 +292,35 @@ def test_a_field_name_two_optimizers_use_is_read_by_its_state():
     updates, _, _ = _run(adafactor, params, [grads] * 5)
     small = np.asarray(updates[-1]["b"][::2]) / np.asarray(reference[-1]["b"][::2])
     assert np.median(np.abs(small - 1)) < 0.2
+
+
+def test_sophias_hessian_estimates_are_stored_signed():
+    # Sophia's `nu` averages Hutchinson's estimates of the Hessian's diagonal,
+    # negative where the loss curves down; stored as a square root (as Adam's
+    # `nu`), each negative one became zero and the average drifted up.
+    params = {"w": jnp.linspace(-3.0, 3.0, 512)}
+
+    def loss(p):
+        return jnp.sum(jnp.sin(3.0 * p["w"]) * p["w"])
+
+    sophia = eqx_amp.optim.low_precision_moments(
+        optax.contrib.sophia(1e-2), "8bit", key=jr.key(0)
+    )
+    state = sophia.init(params)
+    assert not state.inner_state[0].nu["w"].square_root
+    reference = optax.contrib.sophia(1e-2).init(params)
+    with jax.numpy_dtype_promotion("standard"):
+        grads = jax.grad(loss)(params)
+        _, state = jax.jit(functools.partial(sophia.update, obj_fn=loss))(
+            grads, state, params
+        )
+        _, reference = optax.contrib.sophia(1e-2).update(
+            grads, reference, params, obj_fn=loss
+        )
+    nu, want = state.inner_state[0].nu["w"].decode(), reference[0].nu["w"]
+    assert float(jnp.min(want)) < 0
+    assert np.array_equal(np.sign(nu), np.sign(want))
+    assert rel_error(nu, want) < 0.05
 
 
 @functools.cache

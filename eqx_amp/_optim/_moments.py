@@ -75,30 +75,41 @@ def _is_moment(node: Any) -> bool:
     return isinstance(node, QuantizedMoment)
 
 
-def _moment_kind(path: tuple, node: Any, second_moments: set[int]) -> bool | None:
+def _moment_kind(path: tuple, node: Any, by_state: dict[int, bool]) -> bool | None:
     """For a subtree `node` of the optimizer state shaped like the parameters, at
     `path`: `True` for a non-negative moment, `False` for a signed one, `None` for
-    state that is not a moment. By the field's name, and for a name two optimizers
-    use, by the state it is a field of (`second_moments`: the ids of Adafactor's
-    `v`, the second moment of the weights it does not factor; Adan's `v` is the
-    first moment of gradient differences)."""
+    state that is not a moment. By the state it is a field of where two optimizers
+    give one name different signs (`by_state`, from `_signs_by_state`), otherwise
+    by the field's name."""
     if not path or not isinstance(path[-1], jtu.GetAttrKey):
         return None
+    if id(node) in by_state:
+        return by_state[id(node)]
     name = path[-1].name
-    if name in NONNEGATIVE_MOMENTS or id(node) in second_moments:
+    if name in NONNEGATIVE_MOMENTS:
         return True
     if name in SIGNED_MOMENTS:
         return False
     return None
 
 
-def _adafactor_second_moments(state: Any) -> set[int]:
-    """The ids of the `v` subtrees of the `optax.FactoredState`s in `state`."""
+def _signs_by_state(state: Any) -> dict[int, bool]:
+    """Whether each moment whose sign its name does not give is non-negative, by
+    the ids of its subtrees: Adafactor's `v` is the second moment of the weights it
+    does not factor (Adan's `v` is a first moment of gradient differences), and
+    Sophia's `nu` an average of Hutchinson's estimates of the Hessian's diagonal,
+    which are negative where the loss curves down (Adam's `nu` squares)."""
+    kinds = {optax.FactoredState: ("v", True), optax.contrib.SophiaState: ("nu", False)}
 
-    def factored(x: Any) -> bool:
-        return isinstance(x, optax.FactoredState)
+    def known(x: Any) -> bool:
+        return type(x) in kinds
 
-    return {id(s.v) for s in jtu.tree_leaves(state, is_leaf=factored) if factored(s)}
+    signs = {}
+    for s in jtu.tree_leaves(state, is_leaf=known):
+        if known(s):
+            field, non_negative = kinds[type(s)]
+            signs[id(getattr(s, field))] = non_negative
+    return signs
 
 
 def _shaped_like(node: Any, params: Any) -> bool:
@@ -166,9 +177,10 @@ def low_precision_moments(
     compressed between steps; the wrapped optimizer runs in float32 on decoded
     copies, so chains and schedules work unchanged. Other per-weight state (the
     gradients `optax.MultiSteps` accumulates, schedule-free's `z`) is kept as it
-    is: stored coarsely, it would move the weights. Non-negative moments (`nu`,
-    `nu_max`, `sum_of_squares`, `v_row`, `v_col`, Adafactor's `v`, `n`, `e_g`,
-    `e_x`) are stored as their square roots. Encoding rounds stochastically, so the moments stay
+    is: stored coarsely, it would move the weights. Non-negative moments (`nu`
+    but Sophia's, whose Hessian estimates can be negative, `nu_max`,
+    `sum_of_squares`, `v_row`, `v_col`, Adafactor's `v`, `n`, `e_g`, `e_x`) are
+    stored as their square roots. Encoding rounds stochastically, so the moments stay
     unbiased however small a step's change.
 
     - `"bfloat16"`: 2 bytes per value (float32's range, 8 significant bits).
@@ -306,12 +318,12 @@ class _MomentStore:
             return _shaped_like(node, params)
 
         nodes = jtu.tree_flatten_with_path(state, is_leaf=shaped_like_params)[0]
-        second_moments = _adafactor_second_moments(state)
+        by_state = _signs_by_state(state)
         kinds = {
             jtu.keystr(path): kind
             for path, node in nodes
             if shaped_like_params(node)
-            and (kind := _moment_kind(path, node, second_moments)) is not None
+            and (kind := _moment_kind(path, node, by_state)) is not None
         }
         count = sum(
             sum(map(_is_compressible, jtu.tree_leaves(node)))
