@@ -294,29 +294,28 @@ def test_a_field_name_two_optimizers_use_is_read_by_its_state():
     assert np.median(np.abs(small - 1)) < 0.2
 
 
-def test_sophias_hessian_estimates_are_stored_signed():
+@pytest.mark.parametrize("name", ["sophia", "sm3"])
+def test_a_signed_nu_is_stored_signed(name):
     # Sophia's `nu` averages Hutchinson's estimates of the Hessian's diagonal,
-    # negative where the loss curves down; stored as a square root (as Adam's
-    # `nu`), each negative one became zero and the average drifted up.
+    # negative where the loss curves down, and SM3's `nu` is its momentum; stored
+    # as a square root (as Adam's `nu`), each negative value became zero.
     params = {"w": jnp.linspace(-3.0, 3.0, 512)}
 
     def loss(p):
         return jnp.sum(jnp.sin(3.0 * p["w"]) * p["w"])
 
-    sophia = eqx_amp.optim.low_precision_moments(
-        optax.contrib.sophia(1e-2), "8bit", key=jr.key(0)
-    )
-    state = sophia.init(params)
+    make = {"sophia": optax.contrib.sophia, "sm3": optax.sm3}[name]
+    extra = {"obj_fn": loss} if name == "sophia" else {}
+    stored = eqx_amp.optim.low_precision_moments(make(1e-2), "8bit", key=jr.key(0))
+    state = stored.init(params)
     assert not state.inner_state[0].nu["w"].square_root
-    reference = optax.contrib.sophia(1e-2).init(params)
+    reference = make(1e-2).init(params)
     with jax.numpy_dtype_promotion("standard"):
         grads = jax.grad(loss)(params)
-        _, state = jax.jit(functools.partial(sophia.update, obj_fn=loss))(
+        _, state = jax.jit(functools.partial(stored.update, **extra))(
             grads, state, params
         )
-        _, reference = optax.contrib.sophia(1e-2).update(
-            grads, reference, params, obj_fn=loss
-        )
+        _, reference = make(1e-2).update(grads, reference, params, **extra)
     nu, want = state.inner_state[0].nu["w"].decode(), reference[0].nu["w"]
     assert float(jnp.min(want)) < 0
     assert np.array_equal(np.sign(nu), np.sign(want))

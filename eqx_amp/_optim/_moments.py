@@ -98,8 +98,13 @@ def _signs_by_state(state: Any) -> dict[int, bool]:
     the ids of its subtrees: Adafactor's `v` is the second moment of the weights it
     does not factor (Adan's `v` is a first moment of gradient differences), and
     Sophia's `nu` an average of Hutchinson's estimates of the Hessian's diagonal,
-    which are negative where the loss curves down (Adam's `nu` squares)."""
-    kinds = {optax.FactoredState: ("v", True), optax.contrib.SophiaState: ("nu", False)}
+    which are negative where the loss curves down, and SM3's `nu` its momentum
+    (Adam's `nu` squares)."""
+    kinds = {
+        optax.FactoredState: ("v", True),
+        optax.contrib.SophiaState: ("nu", False),
+        optax.ScaleBySM3State: ("nu", False),
+    }
 
     def known(x: Any) -> bool:
         return type(x) in kinds
@@ -178,7 +183,7 @@ def low_precision_moments(
     copies, so chains and schedules work unchanged. Other per-weight state (the
     gradients `optax.MultiSteps` accumulates, schedule-free's `z`) is kept as it
     is: stored coarsely, it would move the weights. Non-negative moments (`nu`
-    but Sophia's, whose Hessian estimates can be negative, `nu_max`,
+    but Sophia's, whose Hessian estimates can be negative, and SM3's, a momentum; `nu_max`,
     `sum_of_squares`, `v_row`, `v_col`, Adafactor's `v`, `n`, `e_g`, `e_x`) are
     stored as their square roots. Encoding rounds stochastically, so the moments stay
     unbiased however small a step's change.
