@@ -433,7 +433,7 @@ def test_training_with_an_optax_chain_and_multisteps(getkey):
     state = optimizer.init(eqx.filter(model, eqx.is_array))
     run = _delayed_value_and_grad(loss_fn)
     first = None
-    for _ in range(80):
+    for _ in range(50):
         loss, grads, observed = run(model, scaling, x, y)
         with jax.numpy_dtype_promotion("standard"):  # optax's own arithmetic
             params = eqx.filter(model, eqx.is_array)
@@ -581,6 +581,7 @@ for check in (True, False):
 """
 
 
+@pytest.mark.slow  # 8 devices: another interpreter
 def test_devices_combine_their_observations_under_pmap_and_shard_map():
     report = run_script_on_eight_devices(_ON_EIGHT)
     expected = report.pop("expected")
