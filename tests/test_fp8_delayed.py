@@ -723,3 +723,23 @@ def test_an_ensemble_vmapped_over_the_whole_step(getkey):
     expected = eqx.filter_jit(eqx.filter_vmap(lambda m: loss_fn(m, x, y)))(models)
     np.testing.assert_array_equal(losses[0], expected[0])
     assert exponents.shape == (2, len(scaling.kinds))
+
+
+@pytest.mark.parametrize("road", ["filter_amp", "autocast", "bimodel"])
+def test_no_tracer_outlives_a_delayed_step(road, getkey):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    wrap = {
+        **ROADS,
+        "bimodel": lambda m: eqx_amp.BiModel(eqx.filter_vmap(m), fp8=TENSORWISE),
+    }[road]
+
+    def loss_fn(model, x, y):
+        return jnp.mean((wrap(model)(x).astype(jnp.float32) - y) ** 2)
+
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    run = _delayed_value_and_grad(loss_fn)
+    with jax.checking_leaks():
+        for _ in range(2):
+            _, _, observed = run(model, scaling, x, y)
+            scaling = scaling.update(observed)
+    assert np.all(np.isfinite(scaling.scales()))

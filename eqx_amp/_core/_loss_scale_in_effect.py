@@ -7,7 +7,6 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
-import jax.numpy as jnp
 from jaxtyping import Array
 
 
@@ -25,12 +24,7 @@ def loss_scaled_by(factor: Array) -> Iterator[None]:
         _factor.reset(token)
 
 
-def loss_scale_in_effect() -> Array:
-    """The float32 factor of the loss being traced (1 outside a loss-scaled one)."""
-    factor = _factor.get()
-    return jnp.ones((), jnp.float32) if factor is None else factor
-
-
-def has_loss_scale() -> bool:
-    """Whether a loss-scaled gradient function is tracing the loss."""
-    return _factor.get() is not None
+def loss_scale_in_effect() -> Array | None:
+    """The float32 factor of the loss being traced (None outside a loss-scaled
+    gradient function)."""
+    return _factor.get()

@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from .._core._loss_scale_in_effect import has_loss_scale, loss_scale_in_effect
+from .._core._loss_scale_in_effect import loss_scale_in_effect
 from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import inlining_calls
 from ._products import fp8_matmul_delayed, known_fp8, varying_over
@@ -40,6 +40,7 @@ from ._scaling import (
     E4M3,
     MAX_SCALE,
     finite_amax,
+    power_of_two_at_most,
     quantize_with,
     scale_from_amax,
 )
@@ -60,13 +61,6 @@ def observation(amax: Array, dtype: np.dtype) -> Float[Array, " 256"]:
     exponent = (lax.bitcast_convert_type(scale, jnp.int32) >> 23) - 127
     index = jnp.where(amax > 0, exponent + _OFFSET, _ZERO_BIN)
     return (lax.iota(jnp.int32, BINS) == index).astype(jnp.float32)
-
-
-def _rounded_down(x: Array) -> Array:
-    """The largest power of two at most the positive normal float32 `x` (exact: its
-    mantissa bits cleared), so that scaling stays exact under any loss scale."""
-    bits = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFF800000)
-    return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _power_of_two(exponent: Array) -> Array:
@@ -105,8 +99,8 @@ class DelayedScaling(eqx.Module):
 
     A scale is stale by design: a tensor whose amax grows past the largest of its
     history saturates at the fp8 format's largest value for that step (`margin`
-    halves every scale `margin` times, to leave room). Slots not observed for
-    `history` steps keep a scale of 1.
+    halves every scale `margin` times, to leave room). A step that observes nothing
+    in a slot keeps its scale; a slot never observed has a scale of 1.
     """
 
     history: Int[Array, "slots history"]
@@ -280,15 +274,17 @@ class _Supply:
         # Every scale as one vector: XLA computes them (and the inverses the
         # products' unscaling reads) in one kernel, not one per product.
         self._scales = None
-        self.unit = loss_scale_in_effect()
+        factor = loss_scale_in_effect()
+        self.unit = jnp.ones((), jnp.float32) if factor is None else factor
         if state is not None and state.kinds:
             scales = _power_of_two(state.exponents())
-            if has_loss_scale():
+            if factor is not None:
                 # Output gradients' scales are kept in units of the unscaled loss:
                 # a loss scale that changes does not make them stale.
                 is_gradient = np.array([k == "gradient" for k in state.kinds])
-                in_range = jnp.clip(scales / self.unit, 2.0**_LOWEST, MAX_SCALE)
-                scales = jnp.where(is_gradient, _rounded_down(in_range), scales)
+                # A power of two, so that scaling stays exact under any loss scale.
+                in_range = jnp.clip(scales / factor, 2.0**_LOWEST, MAX_SCALE)
+                scales = jnp.where(is_gradient, power_of_two_at_most(in_range), scales)
             self._scales = lax.stop_gradient(scales)
         # id(array) -> (array, fp8 values, scale): an activation quantised already.
         self._quantized: dict[int, tuple[Array, Array, Array]] = {}

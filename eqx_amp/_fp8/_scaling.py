@@ -42,7 +42,13 @@ def scale_from_amax(amax: Array, dtype: np.dtype) -> Array:
     # normal float32, so clearing its mantissa bits rounds it down to a power of two
     # exactly (a logarithm could round up, past `largest`).
     ratio = largest / jnp.maximum(amax.astype(jnp.float32), largest / MAX_SCALE)
-    bits = lax.bitcast_convert_type(ratio, jnp.uint32) & jnp.uint32(0xFF800000)
+    return power_of_two_at_most(ratio)
+
+
+def power_of_two_at_most(x: Array) -> Array:
+    """The largest power of two at most the positive normal float32 `x`, exactly:
+    its mantissa bits cleared."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFF800000)
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 

@@ -266,18 +266,14 @@ def scaled_step(
     if len(args) == 0:
         raise TypeError(_NO_POSITIONAL)
     x, *rest = args
-    if isinstance(x, GradThrough):
-        x, rebuild = x.grad_target()
-        fun = _Rebuilding(fun, rebuild)
-    else:
-        # `(bimodel, scaling)`, or any container holding a `BiModel`: each one
-        # differentiated as it would be alone.
-        parts, treedef = jtu.tree_flatten(x, is_leaf=_is_grad_through)
-        if any(_is_grad_through(part) for part in parts):
-            targets = [_grad_target(part) for part in parts]
-            x = jtu.tree_unflatten(treedef, [target for target, _ in targets])
-            rebuilds = tuple(rebuild for _, rebuild in targets)
-            fun = _Rebuilding(fun, _RebuildEach(treedef, rebuilds))
+    # A `BiModel`, alone or anywhere in a container (`(bimodel, scaling)`), is
+    # differentiated through its compute copy.
+    parts, treedef = jtu.tree_flatten(x, is_leaf=_is_grad_through)
+    if any(_is_grad_through(part) for part in parts):
+        targets = [_grad_target(part) for part in parts]
+        x = jtu.tree_unflatten(treedef, [target for target, _ in targets])
+        rebuilds = tuple(rebuild for _, rebuild in targets)
+        fun = _Rebuilding(fun, _RebuildEach(treedef, rebuilds))
     attempt = ft.partial(
         _value_and_scaled_grad,
         fun,
