@@ -105,4 +105,10 @@ def unscale(product: Array, inverse_a: Array, inverse_b: Array) -> Array:
         jnp.maximum(inverse_a, inverse_b),
         jnp.minimum(inverse_a, inverse_b),
     )
-    return jnp.where(in_range, product * both, product * larger * smaller)
+    # The choice is made between the scalar factors, not between two products:
+    # an elementwise select over the product kept XLA from recomputing the
+    # unscaled values where they are read again (the backward pass), so it wrote
+    # them out. `* 1.0` is exact.
+    first = jnp.where(in_range, both, larger)
+    second = jnp.where(in_range, 1.0, smaller)
+    return product * first * second
