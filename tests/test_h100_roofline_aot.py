@@ -42,7 +42,7 @@ ROOFLINE_SCRIPT = textwrap.dedent(
 )
 ROOFLINE_ROADS = (
     "filter_amp_bf16", "filter_amp_fp8", "autocast_fp8", "bimodel_fp8",
-    "filter_amp_fp8_paying",
+    "filter_amp_fp8_paying", "filter_amp_fp8_delayed_weights",
 )  # fmt: skip
 
 
@@ -62,8 +62,9 @@ def roofline():
 # with 3% for XLA's changes: a step that moves more bytes or launches more kernels
 # than this is a regression. The goal is below 0.97 for every fp8 road (measured
 # on an H100: 1.21x, 1.51x and 1.23x before the roofline work; 1.16x by the roofline
-# while the forward GEMMs wrote float32, 1.03x since they write bfloat16).
-ROOFLINE_LIMITS = {"filter_amp_fp8": 1.06, "autocast_fp8": 1.06, "bimodel_fp8": 1.06}
+# while the forward GEMMs wrote float32, 1.03x since they write bfloat16, 1.007x
+# since unscaling chooses between scalar factors; 0.95x without launches).
+ROOFLINE_LIMITS = {"filter_amp_fp8": 1.04, "autocast_fp8": 1.04, "bimodel_fp8": 1.04}
 
 
 def test_a_bfloat16_road_has_the_hand_cast_roofline(roofline):
@@ -99,6 +100,19 @@ def test_fp8_where_it_pays_is_faster_than_bfloat16(roofline):
     assert ours["gemm_flops"]["fp8"] == 3 * 2 * 8192 * 768 * 32768
 
 
+def test_delayed_scaling_is_faster_than_bfloat16_at_gpt2_small_size(roofline):
+    """Every product in fp8 with delayed scales (`eqx_amp.fp8.DelayedScaling`,
+    weights' scales too) meets the goal of at most 0.97x hand-cast's step at this
+    size, launches counted: 0.961x as compiled today (0.927x without), where
+    current scaling is 1.007x (0.953x)."""
+    hand = roofline["hand_bf16"]
+    current = roofline["filter_amp_fp8"]
+    delayed = roofline["filter_amp_fp8_delayed_weights"]
+    assert delayed["gemm_flops"] == current["gemm_flops"]
+    assert delayed["time_s_with_launches"] <= 0.97 * hand["time_s_with_launches"]
+    assert delayed["time_s"] <= 0.94 * hand["time_s"]
+
+
 @pytest.fixture(scope="module")
 def flash_llama():
     """The Llama-style step (one block of 4096, SwiGLU 14336, seq 4096, batch 1) with
@@ -126,26 +140,29 @@ def test_flash_attention_is_timed_as_its_gemms_and_stays_bfloat16(flash_llama):
 
 
 def test_fp8_pays_at_llama_size_with_flash_attention(flash_llama):
-    """As compiled today: 0.776x hand-cast's step (0.798x with launches; two blocks:
-    0.770x and 0.790x, where the step that writes the attention matrices is 0.83x
-    and 0.845x); the ideal (quantising for free) 0.678x. The goal of 0.72x lies above
-    the ideal here; it is not reached yet."""
+    """As compiled today: 0.765x hand-cast's step (0.785x with launches; two blocks:
+    0.761x and 0.780x); the ideal (quantising for free) 0.678x. Current scaling's
+    floor lies above the goal of 0.72x (benchmarks/RESULTS.md); delayed scaling
+    meets it (the next test)."""
     hand, fp8 = flash_llama["hand_bf16"], flash_llama["filter_amp_fp8"]
-    assert fp8["time_s"] <= 0.79 * hand["time_s"]
-    assert fp8["time_s_with_launches"] <= 0.81 * hand["time_s_with_launches"]
+    assert fp8["time_s"] <= 0.78 * hand["time_s"]
+    assert fp8["time_s_with_launches"] <= 0.80 * hand["time_s_with_launches"]
     ideal = _gpu_hlo.ideal_ratio(fp8, hand)
     assert ideal == pytest.approx(0.678, abs=0.005)
 
 
-def test_delayed_scaling_is_faster_than_current_at_llama_size(flash_llama):
-    """As compiled today: 0.735x hand-cast's step (0.746x with launches; two blocks:
-    0.729x and 0.738x), against current scaling's 0.776x (0.798x): each tensor's
-    amax comes out of the pass that quantises it. Every product current scaling runs
-    in fp8 still does."""
+def test_delayed_scaling_meets_the_llama_goals(flash_llama):
+    """Issue 36's goals for the Llama-style step, met by delayed scaling: at most
+    0.72x hand-cast's step and 1.15x its bytes outside the GEMMs. As compiled today
+    0.719x (0.730x with launches) and 1.135x (two blocks: 0.717x, 0.726x, 1.148x),
+    against current scaling's 0.765x (0.785x): each tensor's amax comes out of the
+    pass that quantises it. Every product current scaling runs in fp8 still does."""
     hand = flash_llama["hand_bf16"]
     current = flash_llama["filter_amp_fp8"]
     delayed = flash_llama["filter_amp_fp8_delayed_weights"]
     assert delayed["gemm_flops"] == current["gemm_flops"]
-    assert delayed["time_s"] <= 0.745 * hand["time_s"]
-    assert delayed["time_s_with_launches"] <= 0.755 * hand["time_s_with_launches"]
+    assert delayed["time_s"] <= 0.72 * hand["time_s"]
+    assert delayed["time_s_with_launches"] <= 0.735 * hand["time_s_with_launches"]
+    outside = sum(delayed["non_gemm_bytes"].values())
+    assert outside <= 1.15 * sum(hand["non_gemm_bytes"].values())
     assert delayed["kernels"] < current["kernels"]
