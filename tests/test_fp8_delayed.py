@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import eqx_amp
+from eqx_amp._fp8._products import dequantized_product
 from eqx_amp._fp8._scaling import E4M3, E5M2, scale_from_amax
 
 from .helpers import in_dtypes, rel_error, run_script_on_eight_devices, walk_eqns
@@ -100,16 +101,43 @@ def test_every_product_forward_and_backward_reads_fp8(getkey):
         with eqx_amp.fp8.delayed(scaling):
             return loss_fn(model, x, y)
 
-    jaxpr = eqx.filter_make_jaxpr(eqx.filter_grad(scaled))(model, scaling)[0]
-    dots = [
-        eqn
-        for eqn, _ in walk_eqns(jaxpr.jaxpr)
-        if eqn.primitive is jax.lax.dot_general_p
-    ]
+    grad_fn = eqx.filter_grad(scaled)
+    jaxpr = eqx.filter_make_jaxpr(grad_fn)(model, scaling)[0]
+    eqns = [eqn for eqn, _ in walk_eqns(jaxpr.jaxpr)]
+    made = {var: eqn for eqn in eqns for var in eqn.outvars}
+    fp8 = {"float8_e4m3fn", "float8_e5m2"}
+
+    def dequantized(atom):
+        # fp8 values converted up and times their one inverse scale: the pattern
+        # XLA makes cuBLASLt's fp8 GEMM of, which applies the scales itself.
+        mul = made.get(atom)
+        if mul is None or mul.primitive is not jax.lax.mul_p:
+            return False
+        values, scale = mul.invars
+        convert = made.get(values)
+        return (
+            convert is not None
+            and convert.primitive is jax.lax.convert_element_type_p
+            and convert.invars[0].aval.dtype.name in fp8
+            and scale.aval.shape == ()
+        )
+
+    dots = [eqn for eqn in eqns if eqn.primitive is jax.lax.dot_general_p]
     # Three forward products and two backward ones each.
     assert len(dots) == 9
+    forward = [eqn for eqn in dots if all(map(dequantized, eqn.invars))]
+    assert len(forward) == 3
     for eqn in dots:
-        assert {d.name for d in in_dtypes(eqn)} <= {"float8_e4m3fn", "float8_e5m2"}
+        if eqn not in forward:
+            assert {d.name for d in in_dtypes(eqn)} <= fp8
+    # And so `precision_report` counts every product in fp8.
+    report = eqx_amp.precision_report(grad_fn, model, scaling)
+    assert set(report.flops_by_dtypes) <= {
+        ("float8_e4m3fn", "float8_e4m3fn"),
+        ("float8_e5m2", "float8_e4m3fn"),
+        ("float8_e4m3fn", "float8_e5m2"),
+    }
+    assert report.matmul_flops > 0
 
 
 def test_the_scale_follows_the_largest_amax_of_the_history(getkey):
@@ -185,6 +213,37 @@ EDGES = {
 }
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "exponents", [(0, 0), (-40, -20), (63, 0), (-63, 63), (20, -7)]
+)
+def test_a_gemm_applying_the_scales_computes_the_unscaled_product(
+    exponents, dtype, getkey
+):
+    """What a GPU runs for a forward product under delayed scaling (the dot of the
+    dequantised fp8 values, which XLA makes an fp8 GEMM taking the inverse scales)
+    run here, against what a CPU runs (the fp8 product, unscaled after)."""
+    ql = (jr.normal(getkey(), (32, 64)) * 100).astype(E4M3)
+    qr = (jr.normal(getkey(), (48, 64)) * 100).astype(E4M3)
+    sl, sr = (jnp.float32(2.0**e) for e in exponents)
+    dims = (((1,), (1,)), ((), ()))
+    gpu = jax.jit(dequantized_product, static_argnames=("dims", "dtype"))(
+        ql, qr, sl, sr, dims=dims, dtype=dtype
+    )
+    wide = (ql.astype(jnp.float32), qr.astype(jnp.float32))
+    exact = jax.jit(jax.lax.dot_general, static_argnums=2)(*wide, dims) / sl / sr
+    assert gpu.dtype == dtype
+    if dtype == jnp.float32:  # the sums of the same values scaled by powers of two
+        np.testing.assert_array_equal(gpu, exact)
+    else:
+        error = np.abs(np.float64(gpu.astype(jnp.float32)) - np.float64(exact))
+        assert np.max(error / np.abs(np.float64(exact)).max()) < 2**-7
+
+
+def newer_scale(scaling, kind):
+    return scaling.scales()[scaling.kinds.index(kind)]
+
+
 @pytest.mark.parametrize("edge", sorted(EDGES))
 def test_edge_values_give_current_scalings_step(edge, getkey):
     model = eqx.nn.Linear(64, 32, use_bias=False, key=getkey())
@@ -198,7 +257,18 @@ def test_edge_values_give_current_scalings_step(edge, getkey):
     scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
     loss, grads, observed = _delayed_value_and_grad(loss_fn)(model, scaling, x, y)
     current = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, x, y)
-    _same((loss, grads), current)
+    if edge == "largest finite":
+        # An operand's delayed scale is at least 2**-63 (so that a GEMM can apply
+        # two inverses as one float32): this input (amax 8.5e37) saturates at
+        # 448 * 2**63. The loss overflows as current scaling's does, not hidden.
+        assert float(newer_scale(scaling, "activation")) == 2.0**-63
+        assert not np.isfinite(loss) and not np.isfinite(current[0])
+    else:
+        _same((loss, grads), current)
+    if edge == "smallest normals":
+        # At most 2**63: values below 2**-72 of an input this small are lost,
+        # which current scaling's 2**126 keeps (none reaches the loss here).
+        assert float(newer_scale(scaling, "activation")) == 2.0**63
     newer = scaling.update(observed)
     assert np.all(np.isfinite(newer.scales()))
     if edge == "zeros":  # no amax: the input keeps a scale of 1

@@ -142,7 +142,7 @@ class PrecisionReport:
         more, most FLOPs first, each with the reason that operand is wide.
     - `fp8_skipped`: the matmuls an fp8 rule (`eqx_amp.fp8.TENSORWISE`) left in the compute
         dtype, with the reason. A product whose operands are conversions up from
-        fp8 (what an fp8 GEMM reads) counts in `flops_by_dtypes` under the fp8
+        fp8, or such conversions times one scale (what an fp8 GEMM reads), counts in `flops_by_dtypes` under the fp8
         dtypes it reads (`("float8_e4m3fn", "float8_e4m3fn")` forward, e5m2 with
         e4m3 backward) and as low precision. Products whose results nothing uses
         are not counted (they never run).
@@ -414,6 +414,14 @@ class _Census(Hook):
             widening = jnp.dtype(eqn.params["new_dtype"]).itemsize > 1
             if source is not None and widening and not _fp8_skipped_reason(frame):
                 self._from_fp8.setdefault(id(outvals[0]), (outvals[0], source))
+        elif eqn.primitive is lax.mul_p:
+            # fp8 values times one scale (a dequantisation): a product reading them
+            # is still an fp8 GEMM, which applies the scale itself.
+            sources = [self._from_fp8.get(id(v), (None, None))[1] for v in invals]
+            scalar = [math.prod(jnp.shape(v)) == 1 for v in invals]
+            for source, other_is_scalar in zip(sources, reversed(scalar)):
+                if source is not None and other_is_scalar:
+                    self._from_fp8.setdefault(id(outvals[0]), (outvals[0], source))
         return outvals
 
     def _read_dtypes(self, eqn, invals) -> tuple[str, ...]:

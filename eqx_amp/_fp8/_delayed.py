@@ -51,6 +51,12 @@ _OFFSET = 128  # bin of the scale 2**k: k + _OFFSET
 _ZERO_BIN = BINS - 1  # an all-zero (or all non-finite) tensor
 _NONE = 127  # a history entry without an observation: above every exponent
 _LOWEST = -126  # the smallest scale exponent: its inverse is float32's largest binade
+# Activations' and weights' scales stay within 2**±63, so that the product of two
+# inverses is a normal float32: a GPU's fp8 GEMM applies the forward product's
+# scales itself (`_products._product_applying_scales`), multiplied together. An
+# operand saturates only past an amax of 448 * 2**63 (4e21), and values below
+# 2**-72 of one whose amax is under 5e-17 are lost.
+_OPERAND_LIMIT = 63
 _MARGIN_LIMIT = 16
 
 
@@ -195,7 +201,9 @@ class DelayedScaling(eqx.Module):
         scale in the history (0 where there is none), less `margin`."""
         exponent = jnp.min(self.history, axis=1)
         exponent = jnp.where(exponent == _NONE, 0, exponent - self.margin)
-        return jnp.maximum(exponent, _LOWEST)
+        operand = np.array([kind != "gradient" for kind in self.kinds], dtype=bool)
+        bounded = jnp.clip(exponent, -_OPERAND_LIMIT, _OPERAND_LIMIT)
+        return jnp.where(operand, bounded, jnp.maximum(exponent, _LOWEST))
 
     def scales(self) -> Float[Array, " slots"]:
         """Each slot's float32 scale (`kinds` says what each slot quantises)."""
@@ -291,6 +299,8 @@ class _Supply:
         # id(fp8 values) -> (fp8 values, receiver, amax): a weight's, whose amax no
         # product has handed out yet.
         self._pending: dict[int, tuple[Array, Array, Array]] = {}
+        # id(fp8 values) -> fp8 values quantised with a scale within 2**±63.
+        self._bounded: dict[int, Array] = {}
 
     def take(self, kind: str, sizes: tuple[int, ...]) -> tuple[Array | None, Array]:
         index = len(self.kinds)
@@ -335,6 +345,7 @@ class _Supply:
         if scale is None:
             scale = scale_from_amax(amax, E4M3)
         quantized = quantize_with(values, scale, E4M3)
+        self._note_bound(quantized)
         shaped = jnp.reshape(scale, (1,) * x.ndim)
         self._quantized[id(x)] = (x, quantized, shaped)
         return quantized, shaped, ((receiver,), (amax,))
@@ -351,7 +362,18 @@ class _Supply:
         )
         quantized = quantize(scale)
         self._pending[id(quantized)] = (quantized, receiver, amax)
+        self._note_bound(quantized)
         return quantized, scale
+
+    def _note_bound(self, quantized: Array) -> None:
+        # Current scaling (`init`'s run) takes scales from the amax, unbounded.
+        if not self.current:
+            self._bounded[id(quantized)] = quantized
+
+    def scale_is_bounded(self, quantized: Array) -> bool:
+        """Whether `quantized` is fp8 values this supply made with a scale within
+        2**±63."""
+        return self._bounded.get(id(quantized)) is quantized
 
     def weight_observation(self, quantized: Array) -> tuple:
         entry = self._pending.get(id(quantized))
@@ -436,8 +458,9 @@ def delayed_matmul(
         receivers += handed
         amaxes += amax
     g_scale, g_receiver = supply.take("gradient", contracting)
+    bounded = all(supply.scale_is_bounded(values) for values, _ in forms)
     matmul = fp8_matmul_delayed(
-        dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, observation
+        dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, observation, bounded
     )
     # Under `shard_map` an observation varies as the tensor observed does; so must
     # its receiver (whose gradient JAX then sums over the devices).

@@ -155,7 +155,9 @@ def _output_axes(dims, lhs_ndim: int, rhs_ndim: int):
 
 
 @jax.named_scope(FP8_SCOPE)
-def _fp8_forward(lhs, rhs, dims, scaling, out_dtype, known=(None, None)):
+def _fp8_forward(
+    lhs, rhs, dims, scaling, out_dtype, known=(None, None), scales_in_gemm=False
+):
     (lc, rc), _ = dims
     if scaling == "tensorwise":
         l_axes, r_axes = tuple(range(lhs.ndim)), tuple(range(rhs.ndim))
@@ -164,6 +166,9 @@ def _fp8_forward(lhs, rhs, dims, scaling, out_dtype, known=(None, None)):
     known_lhs, known_rhs = known
     ql, sl = quantize(lhs, E4M3, l_axes) if known_lhs is None else known_lhs
     qr, sr = quantize(rhs, E4M3, r_axes) if known_rhs is None else known_rhs
+    if scales_in_gemm and fp8_eligible(ql.shape, qr.shape, dims) is None:
+        out = _product_applying_scales(ql, sl, qr, sr, dims, product_dtype(out_dtype))
+        return out.astype(out_dtype), (ql, sl, qr, sr)
     # The GEMM writes the compute dtype where it has the range of the still-scaled
     # sums (bfloat16: half the bytes of float32 for the GEMM and the kernel that
     # reads its output). The scales are powers of two, so unscaling after rounding
@@ -182,6 +187,46 @@ def _fp8_forward(lhs, rhs, dims, scaling, out_dtype, known=(None, None)):
         # scales: the operands are quantised again there (torchao's rowwise recipe).
         residuals = (lhs, rhs)
     return out.astype(out_dtype), residuals
+
+
+def _product_applying_scales(
+    ql: Array, sl: Array, qr: Array, sr: Array, dims, dtype: Any
+) -> Array:
+    """The product of two tensorwise-scaled fp8 operands, unscaled, in `dtype`.
+    Compiled for a GPU it is the dot of their dequantised values
+    (`dequantized_product`), which a CPU would run as a bfloat16 dot: a CPU runs
+    it as the other fp8 products do (`_fp8_product`, then `unscale`)."""
+
+    def unscaled_after(ql, qr, sl, sr):
+        out = _fp8_product(ql, qr, dims, dtype).astype(jnp.float32)
+        return unscale(out, 1.0 / sl, 1.0 / sr).astype(dtype)
+
+    sl, sr = sl.reshape(()), sr.reshape(())  # tensorwise: one scale each
+    default = ft.partial(dequantized_product, dims=dims, dtype=dtype)
+    return with_cpu_form(ql, qr, sl, sr, cpu=unscaled_after, default=default)
+
+
+def dequantized_product(
+    ql: Array, qr: Array, sl: Array, sr: Array, *, dims, dtype: Any
+) -> Array:
+    """`dot_general` of `ql / sl` and `qr / sr` (fp8 values and their scalar
+    scales) in `dtype`: the pattern XLA's GPU GEMM rewriter turns into cuBLASLt's
+    fp8 GEMM with the inverse scales as operands. The GEMM then writes the unscaled
+    product, and a residual added to it becomes its C operand, as in a bfloat16
+    GEMM: no kernel reads the product to unscale it or to add the residual.
+
+    The GEMM multiplies the two inverses together in float32: each scale must be
+    within 2**±63 (`DelayedScaling`'s operand scales are), so that the factor is a
+    normal float32 and every dequantised value a normal `dtype`, exactly (a power
+    of two times an fp8 value)."""
+    # Each product's operands behind a barrier of their own: otherwise XLA merges
+    # products that share an operand (q, k and v read one activation) into one
+    # over a concatenation of differently scaled operands, which no fp8 GEMM takes
+    # (compiled for an H100: a bfloat16 GEMM).
+    ql, qr = lax.optimization_barrier((ql, qr))
+    lhs = ql.astype(dtype) * (1.0 / sl).astype(dtype)
+    rhs = qr.astype(dtype) * (1.0 / sr).astype(dtype)
+    return lax.dot_general(lhs, rhs, dims, preferred_element_type=dtype)
 
 
 def _fp8_product(
@@ -275,19 +320,19 @@ _HIGHER_ORDER = (
 
 
 @jax.custom_jvp
-def _first_order_only(values: Any) -> Any:
+def first_order_only(values: Any) -> Any:
     """The identity, whose derivative is refused: around a backward pass's inputs,
     it makes differentiating that pass an error rather than a wrong number."""
     return values
 
 
-@_first_order_only.defjvp
+@first_order_only.defjvp
 def _first_order_only_jvp(primals, tangents):
     del primals, tangents
     raise NotImplementedError(_HIGHER_ORDER)
 
 
-def _transposed(linear: Any, like: Any, cotangent: Array) -> Array:
+def transposed(linear: Any, like: Any, cotangent: Array) -> Array:
     """The transpose of the linear `linear` (a product with its other operand held)
     at `cotangent`, in the cotangent's dtype, with no forward product (`jax.vjp`
     would add a dead one)."""
@@ -355,7 +400,7 @@ def fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
         return (*grads, jax.tree.map(jnp.zeros_like, known))
 
     def _backward(residuals, cotangent):
-        residuals, cotangent = _first_order_only((residuals, cotangent))
+        residuals, cotangent = first_order_only((residuals, cotangent))
         if scaling == "tensorwise":
             # Scalar scales come out of the products: fp8 x fp8 GEMMs.
             ql, sl, qr, sr = residuals
@@ -378,32 +423,43 @@ def fp8_matmul(dims, scaling, out_dtype, lhs_dtype, rhs_dtype, grad_dtype):
     return matmul
 
 
-def fp8_matmul_delayed(dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, observe):
+def fp8_matmul_delayed(
+    dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, observe, scales_in_gemm
+):
     """A tensorwise fp8 matmul with delayed scales (`_delayed`), called as
     `matmul(lhs, rhs, known, g_scale, handed_out)`: both operands' fp8 forms
     `known`, the output gradient's scale `g_scale` (None: its own amax's), and
     `handed_out = (g_receiver, g_unit, receivers, amaxes)`: arrays whose
     cotangents are to be `observe(amax, dtype)` of the output gradient (its amax
     times `g_unit`) and of each of `amaxes`. The backward pass takes the output
-    gradient's amax in the pass that quantises it."""
+    gradient's amax in the pass that quantises it. With `scales_in_gemm` (both
+    operands' scales within 2**±63) the forward GEMM applies the scales itself
+    (`_product_applying_scales`)."""
     grad_dtype = product_dtype(grad_dtype)
+    forward_product = ft.partial(
+        _fp8_forward,
+        dims=dims,
+        scaling="tensorwise",
+        out_dtype=out_dtype,
+        scales_in_gemm=scales_in_gemm,
+    )
 
     @jax.custom_vjp
     def matmul(lhs, rhs, known, g_scale, handed_out):
-        return _fp8_forward(lhs, rhs, dims, "tensorwise", out_dtype, known)[0]
+        return forward_product(lhs, rhs, known=known)[0]
 
     def forward(lhs, rhs, known, g_scale, handed_out):
         # The fp8 forms were made without a derivative, so a derivative of this
         # pass (a Hessian's forward-over-reverse) would see none: refuse it here.
-        _first_order_only((lhs, rhs))
-        out, residuals = _fp8_forward(lhs, rhs, dims, "tensorwise", out_dtype, known)
+        first_order_only((lhs, rhs))
+        out, residuals = forward_product(lhs, rhs, known=known)
         return out, (residuals, known, g_scale, handed_out)
 
     @jax.named_scope(FP8_SCOPE)
     def backward(residuals, cotangent):
         residuals, known, g_scale, handed_out = residuals
         g_receiver, g_unit, receivers, amaxes = handed_out
-        (ql, sl, qr, sr), cotangent = _first_order_only((residuals, cotangent))
+        (ql, sl, qr, sr), cotangent = first_order_only((residuals, cotangent))
         given = g_scale
         if g_scale is None:  # current scaling, observed (`DelayedScaling.init`)
             every = tuple(range(cotangent.ndim))
@@ -444,77 +500,6 @@ def fp8_matmul_delayed(dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, observ
 
     matmul.defvjp(forward, backward)
     return matmul
-
-
-def _conv32(lhs: Array, rhs: Array, params: dict) -> Array:
-    """A convolution of fp8 values read as float32 (exactly) and accumulated in it:
-    what XLA makes an fp8 cuDNN convolution of."""
-    return lax.conv_general_dilated_p.bind(
-        lhs.astype(jnp.float32),
-        rhs.astype(jnp.float32),
-        **dict(params, preferred_element_type=jnp.float32),
-    )
-
-
-def _conv16(lhs: Array, rhs: Array, params: dict) -> Array:
-    """A bfloat16 convolution (float32 accumulation, bfloat16 output)."""
-    return lax.conv_general_dilated_p.bind(
-        lhs, rhs, **dict(params, preferred_element_type=None)
-    )
-
-
-# Why the backward convolutions of an fp8 convolution are not fp8: the named scope
-# they run under, which `precision_report` reads.
-_CONV_BACKWARD_SCOPE = (
-    f"{FP8_SKIPPED_SCOPE}: backward convolution (cuDNN has fp8 forward convolutions "
-    "only; it reads bfloat16 copies of the fp8 values)"
-)
-
-
-def fp8_conv(params: dict, out_dtype, lhs_dtype, rhs_dtype):
-    """A convolution in fp8 (tensorwise scales, which come out of the sums), with
-    the derivative rule of `_fp8_matmul`, called as `conv(lhs, rhs, known)` (the
-    operands' recorded fp8 values, as for `fp8_matmul`)."""
-    conv32 = ft.partial(_conv32, params=params)
-    conv16 = ft.partial(_conv16, params=params)
-
-    @jax.named_scope(FP8_SCOPE)
-    def forward(lhs, rhs, known):
-        known_lhs, known_rhs = known
-        if known_lhs is None:
-            known_lhs = quantize(lhs, E4M3, tuple(range(lhs.ndim)))
-        if known_rhs is None:
-            known_rhs = quantize(rhs, E4M3, tuple(range(rhs.ndim)))
-        (ql, sl), (qr, sr) = known_lhs, known_rhs
-        out = unscale(conv32(ql, qr), 1.0 / sl.reshape(()), 1.0 / sr.reshape(()))
-        return out.astype(out_dtype), ((ql, sl, qr, sr), known)
-
-    @jax.custom_vjp
-    def conv(lhs, rhs, known):
-        return forward(lhs, rhs, known)[0]
-
-    @jax.named_scope(FP8_SCOPE)
-    def backward(residuals, cotangent):
-        residuals, known = residuals
-        grads = _conv_backward(residuals, cotangent)
-        return (*grads, jax.tree.map(jnp.zeros_like, known))
-
-    def _conv_backward(residuals, cotangent):
-        (ql, sl, qr, sr), cotangent = _first_order_only((residuals, cotangent))
-        qg, sg = quantize(cotangent, E5M2, tuple(range(cotangent.ndim)))
-        with jax.named_scope(_CONV_BACKWARD_SCOPE):
-            lhs16, rhs16 = ql.astype(jnp.bfloat16), qr.astype(jnp.bfloat16)
-            g16 = qg.astype(jnp.bfloat16)
-            dlhs = _transposed(lambda x: conv16(x, rhs16), ql, g16)
-            drhs = _transposed(lambda y: conv16(lhs16, y), qr, g16)
-            dlhs, drhs = dlhs.astype(jnp.float32), drhs.astype(jnp.float32)
-        inverse_g = 1.0 / sg.reshape(())
-        dlhs = unscale(dlhs, inverse_g, 1.0 / sr.reshape(()))
-        drhs = unscale(drhs, inverse_g, 1.0 / sl.reshape(()))
-        return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype)
-
-    conv.defvjp(forward, backward)
-    return conv
 
 
 def varying_alike(*operands: Array) -> tuple[Array, ...]:

@@ -20,10 +20,10 @@ from .._jaxpr._evaluate import batched_like, evaluate_function
 from .._jaxpr._hook import Hook, Origin
 from .._jaxpr._outer_vmap import batched_after_tracing
 from ._block_scaled import block_scaled_matmul, nvfp4_matmul
+from ._conv import fp8_conv
 from ._delayed import current_supply, delayed_matmul
 from ._products import (
     FP8_SKIPPED_SCOPE,
-    fp8_conv,
     fp8_matmul,
     holding_fp8_values,
     known_block_scaled,
