@@ -229,14 +229,17 @@ filter_amp_fp8_paying = wrapped(
 )
 
 
-def filter_amp_fp8_delayed(weights: bool, history: int = 16, rule=None):
+def filter_amp_fp8_delayed(
+    weights: bool, history: int = 16, rule=None, scales_in_gemm: bool = False
+):
     """`filter_amp(eqx.filter_vmap(model), fp8=TENSORWISE)` with delayed scaling
     (`eqx_amp.fp8.DelayedScaling`, Transformer Engine's recipe): each activation's
     and output gradient's scale (and with `weights`, each weight's) from the largest
     of its last `history` amaxes, kept in the training state, this step's amaxes
-    taken in the pass that quantises each tensor. The state starts uncalibrated
-    (scales of 1): the compiled step is the same, and the benchmarks compile
-    models too large to run on a CPU."""
+    taken in the pass that quantises each tensor; with `scales_in_gemm`, a GPU's
+    forward GEMMs apply the scales. The state starts uncalibrated (scales of 1):
+    the compiled step is the same, and the benchmarks compile models too large to
+    run on a CPU."""
 
     def build(task: Task) -> Built:
         optimizer = task.optimizer
@@ -267,7 +270,7 @@ def filter_amp_fp8_delayed(weights: bool, history: int = 16, rule=None):
 
         scaling = eqx_amp.fp8.DelayedScaling.init(
             loss_fn, task.model, *task.batch(0), history=history, weights=weights,
-            calibrate=False,
+            calibrate=False, scales_in_gemm=scales_in_gemm,
         )  # fmt: skip
         state = (task.model, optimizer.init(_params(task.model)), scaling)
         loss_of, diff_args = _loss_of_params(loss_fn, task.model, task.batch(0))
@@ -517,6 +520,10 @@ VARIANTS: dict[str, Variant] = {
             filter_amp_fp8_delayed(weights=True),
         ),
         Variant(
+            "filter_amp_fp8_delayed_gemm", "eqx_amp", "fp8", "none",
+            filter_amp_fp8_delayed(weights=True, scales_in_gemm=True),
+        ),
+        Variant(
             "bimodel_fp8", "eqx_amp", "fp8", "no-op",
             bimodel("bf16", fp8=eqx_amp.fp8.TENSORWISE),
         ),
@@ -540,7 +547,7 @@ VARIANTS: dict[str, Variant] = {
 MORE_FP8 = (
     "autocast_fp8_rowwise", "autocast_fp8_attention", "filter_amp_fp8",
     "filter_amp_fp8_paying", "bimodel_fp8", "filter_amp_fp8_delayed",
-    "filter_amp_fp8_delayed_weights",
+    "filter_amp_fp8_delayed_weights", "filter_amp_fp8_delayed_gemm",
 )  # fmt: skip
 DEFAULT_VARIANTS = tuple(n for n in VARIANTS if n not in MORE_FP8)
 EQX_AMP_ONLY = tuple(

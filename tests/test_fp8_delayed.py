@@ -92,10 +92,13 @@ def test_a_step_on_the_batch_init_saw_is_current_scaling_bit_for_bit(
     np.testing.assert_array_equal(newer.history[:, 0], newer.history[:, 1])
 
 
-def test_every_product_forward_and_backward_reads_fp8(getkey):
+@pytest.mark.parametrize("scales_in_gemm", [False, True])
+def test_every_product_forward_and_backward_reads_fp8(scales_in_gemm, getkey):
     model, (x, y) = _mlp(getkey()), _data(getkey())
     loss_fn = _loss_on("filter_amp")
-    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    scaling = eqx_amp.fp8.DelayedScaling.init(
+        loss_fn, model, x, y, scales_in_gemm=scales_in_gemm
+    )
 
     def scaled(model, scaling):
         with eqx_amp.fp8.delayed(scaling):
@@ -126,7 +129,7 @@ def test_every_product_forward_and_backward_reads_fp8(getkey):
     # Three forward products and two backward ones each.
     assert len(dots) == 9
     forward = [eqn for eqn in dots if all(map(dequantized, eqn.invars))]
-    assert len(forward) == 3
+    assert len(forward) == (3 if scales_in_gemm else 0)
     for eqn in dots:
         if eqn not in forward:
             assert {d.name for d in in_dtypes(eqn)} <= fp8
@@ -240,8 +243,47 @@ def test_a_gemm_applying_the_scales_computes_the_unscaled_product(
         assert np.max(error / np.abs(np.float64(exact)).max()) < 2**-7
 
 
-def newer_scale(scaling, kind):
-    return scaling.scales()[scaling.kinds.index(kind)]
+@pytest.mark.parametrize("edge", sorted(EDGES))
+def test_scales_in_gemm_keep_the_operand_scales_within_2_to_the_63(edge, getkey):
+    """With `scales_in_gemm`, a GEMM multiplies two inverse scales in float32: the
+    activations' and weights' scales stay within 2**±63. Inside them a step is
+    current scaling's; an input of amax 8.5e37 saturates at 448 * 2**63, and its
+    loss overflows as current scaling's does (not hidden); values below 2**-72 of
+    one of amax 1.2e-38 are lost (none reaches this loss)."""
+    model = eqx.nn.Linear(64, 32, use_bias=False, key=getkey())
+    x = EDGES[edge](jr.normal(getkey(), (32, 64)))
+    y = jr.normal(getkey(), (32, 32))
+
+    def loss_fn(model, x, y):
+        out = eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=TENSORWISE)(x)
+        return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+    init = eqx_amp.fp8.DelayedScaling.init
+    scaling = init(loss_fn, model, x, y, scales_in_gemm=True)
+    scales = scaling.scales()
+    operand = np.array([k != "gradient" for k in scaling.kinds])
+    assert np.all((scales[operand] >= 2.0**-63) & (scales[operand] <= 2.0**63))
+    loss, grads, observed = _delayed_value_and_grad(loss_fn)(model, scaling, x, y)
+    current = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, x, y)
+    activation = float(scales[scaling.kinds.index("activation")])
+    if edge == "largest finite":
+        assert activation == 2.0**-63
+        assert not np.isfinite(loss) and not np.isfinite(current[0])
+    else:
+        _same((loss, grads), current)
+    if edge == "smallest normals":
+        assert activation == 2.0**63
+    assert np.all(np.isfinite(scaling.update(observed).scales()))
+
+
+def test_scales_in_gemm_takes_a_bool_and_delayed_weights(getkey):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    init = eqx_amp.fp8.DelayedScaling.init
+    with pytest.raises(TypeError, match="`scales_in_gemm` must be a bool, got 1"):
+        init(loss_fn, model, x, y, scales_in_gemm=1)
+    with pytest.raises(ValueError, match="`scales_in_gemm=True` needs `weights=True`"):
+        init(loss_fn, model, x, y, weights=False, scales_in_gemm=True)
 
 
 @pytest.mark.parametrize("edge", sorted(EDGES))
@@ -257,18 +299,7 @@ def test_edge_values_give_current_scalings_step(edge, getkey):
     scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
     loss, grads, observed = _delayed_value_and_grad(loss_fn)(model, scaling, x, y)
     current = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, x, y)
-    if edge == "largest finite":
-        # An operand's delayed scale is at least 2**-63 (so that a GEMM can apply
-        # two inverses as one float32): this input (amax 8.5e37) saturates at
-        # 448 * 2**63. The loss overflows as current scaling's does, not hidden.
-        assert float(newer_scale(scaling, "activation")) == 2.0**-63
-        assert not np.isfinite(loss) and not np.isfinite(current[0])
-    else:
-        _same((loss, grads), current)
-    if edge == "smallest normals":
-        # At most 2**63: values below 2**-72 of an input this small are lost,
-        # which current scaling's 2**126 keeps (none reaches the loss here).
-        assert float(newer_scale(scaling, "activation")) == 2.0**63
+    _same((loss, grads), current)
     newer = scaling.update(observed)
     assert np.all(np.isfinite(newer.scales()))
     if edge == "zeros":  # no amax: the input keeps a scale of 1

@@ -51,11 +51,11 @@ _OFFSET = 128  # bin of the scale 2**k: k + _OFFSET
 _ZERO_BIN = BINS - 1  # an all-zero (or all non-finite) tensor
 _NONE = 127  # a history entry without an observation: above every exponent
 _LOWEST = -126  # the smallest scale exponent: its inverse is float32's largest binade
-# Activations' and weights' scales stay within 2**±63, so that the product of two
-# inverses is a normal float32: a GPU's fp8 GEMM applies the forward product's
-# scales itself (`_products._product_applying_scales`), multiplied together. An
-# operand saturates only past an amax of 448 * 2**63 (4e21), and values below
-# 2**-72 of one whose amax is under 5e-17 are lost.
+# With `scales_in_gemm`, activations' and weights' scales stay within 2**±63, so
+# that the product of two inverses is a normal float32: a GPU's fp8 GEMM applies
+# the forward product's scales itself (`_products.dequantized_product`), multiplied
+# together. An operand saturates only past an amax of 448 * 2**63 (4e21), and
+# values below 2**-72 of one whose amax is under 5e-17 are lost.
 _OPERAND_LIMIT = 63
 _MARGIN_LIMIT = 16
 
@@ -107,6 +107,16 @@ class DelayedScaling(eqx.Module):
     history saturates at the fp8 format's largest value for that step (`margin`
     halves every scale `margin` times, to leave room). A step that observes nothing
     in a slot keeps its scale; a slot never observed has a scale of 1.
+
+    With `scales_in_gemm=True` a GPU's forward fp8 GEMM applies the two scales
+    itself and takes a residual added to its product (cuBLASLt's C operand), as a
+    bfloat16 GEMM does: faster where the product's readers are kernels XLA cannot
+    fuse with (cuDNN's flash attention, a gated MLP, the residual stream), slower
+    where its unscaling pass had also done a materialised attention's layout
+    changes and a norm's reductions (the performance guide has the figures). Its
+    activations' and weights' scales stay within 2**±63 then, so that the GEMM's
+    float32 factor is a normal number: an operand saturates past an amax of
+    448 * 2**63 (4e21).
     """
 
     history: Int[Array, "slots history"]
@@ -116,6 +126,7 @@ class DelayedScaling(eqx.Module):
     sizes: tuple[tuple[int, ...], ...] = eqx.field(static=True)
     margin: int = eqx.field(static=True)
     weights: bool = eqx.field(static=True)
+    scales_in_gemm: bool = eqx.field(static=True, default=False)
 
     @classmethod
     def init(
@@ -127,6 +138,7 @@ class DelayedScaling(eqx.Module):
         margin: int = 0,
         has_aux: bool = False,
         calibrate: bool = True,
+        scales_in_gemm: bool = False,
         **kwargs: Any,
     ) -> "DelayedScaling":
         """The delayed scaling of `fn(*args, **kwargs)` (a scalar loss, or
@@ -135,7 +147,8 @@ class DelayedScaling(eqx.Module):
         backward pass on these arguments), so the first step's scales are those
         arguments' own (`calibrate=False` skips that run: every scale starts at 1,
         as Transformer Engine's do). With `weights=False` weights keep current
-        scaling.
+        scaling; `scales_in_gemm=True` (weights delayed too) has the forward GEMMs
+        apply the scales (above).
 
         ```python
         scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y, history=16)
@@ -154,10 +167,19 @@ class DelayedScaling(eqx.Module):
                 "of margin halves the scales, and e4m3 spans 17 binades, so a larger "
                 "one rounds every value to zero."
             )
-        for name, value in (("weights", weights), ("calibrate", calibrate)):
+        for name, value in (
+            ("weights", weights),
+            ("calibrate", calibrate),
+            ("scales_in_gemm", scales_in_gemm),
+        ):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool, got {value!r}.")
 
+        if scales_in_gemm and not weights:
+            raise ValueError(
+                "`scales_in_gemm=True` needs `weights=True`: a GEMM applies scales "
+                "within 2**±63 only, which the weights' current scales are not."
+            )
         counting = _Supply(None, weights=weights)
         with _using(counting):
             eqx.filter_eval_shape(fn, *args, **kwargs)
@@ -175,6 +197,7 @@ class DelayedScaling(eqx.Module):
             sizes=tuple(counting.sizes),
             margin=int(margin),
             weights=weights,
+            scales_in_gemm=scales_in_gemm,
         )
 
         if not calibrate:
@@ -201,9 +224,12 @@ class DelayedScaling(eqx.Module):
         scale in the history (0 where there is none), less `margin`."""
         exponent = jnp.min(self.history, axis=1)
         exponent = jnp.where(exponent == _NONE, 0, exponent - self.margin)
+        exponent = jnp.maximum(exponent, _LOWEST)
+        if not self.scales_in_gemm:
+            return exponent
         operand = np.array([kind != "gradient" for kind in self.kinds], dtype=bool)
         bounded = jnp.clip(exponent, -_OPERAND_LIMIT, _OPERAND_LIMIT)
-        return jnp.where(operand, bounded, jnp.maximum(exponent, _LOWEST))
+        return jnp.where(operand, bounded, exponent)
 
     def scales(self) -> Float[Array, " slots"]:
         """Each slot's float32 scale (`kinds` says what each slot quantises)."""
@@ -367,7 +393,8 @@ class _Supply:
 
     def _note_bound(self, quantized: Array) -> None:
         # Current scaling (`init`'s run) takes scales from the amax, unbounded.
-        if not self.current:
+        state = self.state
+        if state is not None and state.scales_in_gemm and not self.current:
             self._bounded[id(quantized)] = quantized
 
     def scale_is_bounded(self, quantized: Array) -> bool:
