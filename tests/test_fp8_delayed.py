@@ -243,13 +243,8 @@ def test_a_gemm_applying_the_scales_computes_the_unscaled_product(
         assert np.max(error / np.abs(np.float64(exact)).max()) < 2**-7
 
 
-@pytest.mark.parametrize("edge", sorted(EDGES))
-def test_scales_in_gemm_keep_the_operand_scales_within_2_to_the_63(edge, getkey):
-    """With `scales_in_gemm`, a GEMM multiplies two inverse scales in float32: the
-    activations' and weights' scales stay within 2**±63. Inside them a step is
-    current scaling's; an input of amax 8.5e37 saturates at 448 * 2**63, and its
-    loss overflows as current scaling's does (not hidden); values below 2**-72 of
-    one of amax 1.2e-38 are lost (none reaches this loss)."""
+def _edge_problem(edge, getkey):
+    """One fp8 linear layer on an input of `EDGES[edge]`, and its loss."""
     model = eqx.nn.Linear(64, 32, use_bias=False, key=getkey())
     x = EDGES[edge](jr.normal(getkey(), (32, 64)))
     y = jr.normal(getkey(), (32, 32))
@@ -258,6 +253,17 @@ def test_scales_in_gemm_keep_the_operand_scales_within_2_to_the_63(edge, getkey)
         out = eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=TENSORWISE)(x)
         return jnp.mean((out.astype(jnp.float32) - y) ** 2)
 
+    return model, x, y, loss_fn
+
+
+@pytest.mark.parametrize("edge", sorted(EDGES))
+def test_scales_in_gemm_keep_the_operand_scales_within_2_to_the_63(edge, getkey):
+    """With `scales_in_gemm`, a GEMM multiplies two inverse scales in float32: the
+    activations' and weights' scales stay within 2**±63. Inside them a step is
+    current scaling's; an input of amax 8.5e37 saturates at 448 * 2**63, and its
+    loss overflows as current scaling's does (not hidden); values below 2**-72 of
+    one of amax 1.2e-38 are lost (none reaches this loss)."""
+    model, x, y, loss_fn = _edge_problem(edge, getkey)
     init = eqx_amp.fp8.DelayedScaling.init
     scaling = init(loss_fn, model, x, y, scales_in_gemm=True)
     scales = scaling.scales()
@@ -288,14 +294,7 @@ def test_scales_in_gemm_takes_a_bool_and_delayed_weights(getkey):
 
 @pytest.mark.parametrize("edge", sorted(EDGES))
 def test_edge_values_give_current_scalings_step(edge, getkey):
-    model = eqx.nn.Linear(64, 32, use_bias=False, key=getkey())
-    x = EDGES[edge](jr.normal(getkey(), (32, 64)))
-    y = jr.normal(getkey(), (32, 32))
-
-    def loss_fn(model, x, y):
-        out = eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=TENSORWISE)(x)
-        return jnp.mean((out.astype(jnp.float32) - y) ** 2)
-
+    model, x, y, loss_fn = _edge_problem(edge, getkey)
     scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
     loss, grads, observed = _delayed_value_and_grad(loss_fn)(model, scaling, x, y)
     current = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, x, y)
