@@ -225,12 +225,14 @@ def dequantized_product(
     within 2**±63 (`DelayedScaling`'s operand scales are), so that the factor is a
     normal float32 and every dequantised value a normal `dtype`, exactly (a power
     of two times an fp8 value)."""
-    # Each product's operands behind a barrier of their own: otherwise XLA merges
-    # products that share an operand (q, k and v read one activation) into one
-    # over a concatenation of differently scaled operands, which no fp8 GEMM takes
-    # (compiled for an H100: a bfloat16 GEMM). Under FSDP the forward GEMM then
-    # gathers its weight apart from the backward products (in fp8: 0.82x
-    # hand-cast's gathered bytes at the GPT size, against 0.52x).
+    # Each product's two operands behind a barrier of their own: otherwise XLA
+    # merges products that share an operand (q, k and v read one activation) into
+    # one over a concatenation of differently scaled operands, which no fp8 GEMM
+    # takes (compiled for an H100: a bfloat16 GEMM). A barrier around the shared
+    # operand alone is the same in every product, and XLA merges those first.
+    # Under FSDP the forward GEMM then gathers its weight apart from the backward
+    # products (in fp8: 0.82x hand-cast's gathered bytes at the GPT size, against
+    # 0.52x).
     ql, qr = lax.optimization_barrier((ql, qr))
     lhs = ql.astype(dtype) * (1.0 / sl).astype(dtype)
     rhs = qr.astype(dtype) * (1.0 / sr).astype(dtype)
