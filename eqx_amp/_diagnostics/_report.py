@@ -140,12 +140,13 @@ class PrecisionReport:
         (`("bfloat16", "float32")`) included.
     - `wide_matmuls`: the matmuls and convolutions with an operand of 32 bits or
         more, most FLOPs first, each with the reason that operand is wide.
-    - `fp8_skipped`: the matmuls an fp8 rule (`eqx_amp.fp8.TENSORWISE`) left in the compute
-        dtype, with the reason. A product whose operands are conversions up from
-        fp8, or such conversions times one scale (what an fp8 GEMM reads), counts in `flops_by_dtypes` under the fp8
-        dtypes it reads (`("float8_e4m3fn", "float8_e4m3fn")` forward, e5m2 with
-        e4m3 backward) and as low precision. Products whose results nothing uses
-        are not counted (they never run).
+    - `fp8_skipped`: the matmuls an fp8 rule (`eqx_amp.fp8.TENSORWISE`) left in the
+        compute dtype, with the reason. A product whose operands are conversions up
+        from fp8, or such conversions times one scale (what an fp8 GEMM reads),
+        counts in `flops_by_dtypes` under the fp8 dtypes it reads
+        (`("float8_e4m3fn", "float8_e4m3fn")` forward, e5m2 with e4m3 backward) and
+        as low precision. Products whose results nothing uses are not counted (they
+        never run).
     - `block_scaled_flops`: the FLOPs of block-scaled products
         (`eqx_amp.fp8.MXFP8`, `eqx_amp.fp8.NVFP4`), which count in
         `flops_by_dtypes` under `("float8_e4m3fn", "float8_e4m3fn")` (NVFP4's
