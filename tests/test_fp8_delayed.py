@@ -629,7 +629,9 @@ def loss_fn(model, x, y):
     out = eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=TENSORWISE)(x)
     return jnp.mean((out.astype(jnp.float32) - y) ** 2)
 
-scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y[0])
+scaling = eqx_amp.fp8.DelayedScaling.init(
+    loss_fn, model, x, y[0], scales_in_gemm=SCALES_IN_GEMM
+)
 
 params, static = eqx.partition(model, eqx.is_array)
 
@@ -664,7 +666,9 @@ for check in (True, False):
         mean_loss, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P(),
         check_vma=check,
     )
-    on_all = eqx_amp.fp8.DelayedScaling.init(unjitted, params, xs, y)
+    on_all = eqx_amp.fp8.DelayedScaling.init(
+        unjitted, params, xs, y, scales_in_gemm=SCALES_IN_GEMM
+    )
     try:
         eqx_amp.fp8.DelayedScaling.init(jax.jit(unjitted), params, xs, y)
     except ValueError as error:
@@ -682,8 +686,11 @@ for check in (True, False):
 
 
 @pytest.mark.slow  # 8 devices: another interpreter
-def test_devices_combine_their_observations_under_pmap_and_shard_map():
-    report = run_script_on_eight_devices(_ON_EIGHT)
+@pytest.mark.parametrize("scales_in_gemm", [False, True])
+def test_devices_combine_their_observations_under_pmap_and_shard_map(scales_in_gemm):
+    report = run_script_on_eight_devices(
+        _ON_EIGHT.replace("SCALES_IN_GEMM", str(scales_in_gemm))
+    )
     expected = report.pop("expected")
     for check in (True, False):
         assert "observed none of its fp8 tensors" in report.pop(
