@@ -71,14 +71,20 @@ def _same(a, b):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
+# (weights, scales_in_gemm): the option needs delayed weights.
+RECIPES = [(True, False), (False, False), (True, True)]
+
+
 @pytest.mark.parametrize("road", sorted(ROADS))
-@pytest.mark.parametrize("weights", [True, False])
+@pytest.mark.parametrize("weights, scales_in_gemm", RECIPES)
 def test_a_step_on_the_batch_init_saw_is_current_scaling_bit_for_bit(
-    road, weights, getkey
+    road, weights, scales_in_gemm, getkey
 ):
     model, (x, y) = _mlp(getkey()), _data(getkey())
     loss_fn = _loss_on(road)
-    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y, weights=weights)
+    scaling = eqx_amp.fp8.DelayedScaling.init(
+        loss_fn, model, x, y, weights=weights, scales_in_gemm=scales_in_gemm
+    )
     kinds = {"weight": 3 * weights, "activation": 3, "gradient": 3}
     assert {k: scaling.kinds.count(k) for k in kinds} == kinds
     assert scaling.history.shape == (len(scaling.kinds), 16)
@@ -520,13 +526,16 @@ def test_a_batch_size_that_changes_the_fp8_products_is_refused(getkey):
         run(short, state, x, y)
 
 
-def test_training_with_an_optax_chain_and_multisteps(getkey):
+@pytest.mark.parametrize("scales_in_gemm", [False, True])
+def test_training_with_an_optax_chain_and_multisteps(scales_in_gemm, getkey):
     model = _mlp(getkey(), width=32, out=16)
     kx, kw = jr.split(getkey())
     x = jr.normal(kx, (64, 32))
     y = jnp.tanh(x @ jr.normal(kw, (32, 16)))
     loss_fn = _loss_on("filter_amp")
-    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y, history=4)
+    scaling = eqx_amp.fp8.DelayedScaling.init(
+        loss_fn, model, x, y, history=4, scales_in_gemm=scales_in_gemm
+    )
     optimizer = optax.MultiSteps(
         optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-3)), 2
     )
@@ -559,10 +568,13 @@ def test_retracing_reuses_the_slots_and_a_different_program_is_refused(getkey):
         run(deeper, scaling, *_data(getkey()))
 
 
-def test_second_order_derivatives_and_an_inner_vmap_are_refused(getkey):
+@pytest.mark.parametrize("scales_in_gemm", [False, True])
+def test_second_order_derivatives_and_an_inner_vmap_are_refused(scales_in_gemm, getkey):
     model, (x, y) = _mlp(getkey()), _data(getkey())
     loss_fn = _loss_on("filter_amp")
-    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    scaling = eqx_amp.fp8.DelayedScaling.init(
+        loss_fn, model, x, y, scales_in_gemm=scales_in_gemm
+    )
 
     def scaled(model, x):
         with eqx_amp.fp8.delayed(scaling):
@@ -811,12 +823,15 @@ def test_the_state_round_trips_through_a_checkpoint(getkey, tmp_path):
     np.testing.assert_array_equal(restored.scales(), scaling.scales())
 
 
-def test_an_ensemble_vmapped_over_the_whole_step(getkey):
+@pytest.mark.parametrize("scales_in_gemm", [False, True])
+def test_an_ensemble_vmapped_over_the_whole_step(scales_in_gemm, getkey):
     models = eqx.filter_vmap(lambda k: _mlp(k))(jr.split(getkey(), 2))
     x, y = _data(getkey())
     loss_fn = _loss_on("filter_amp")
     first = jax.tree.map(lambda a: a[0] if eqx.is_array(a) else a, models)
-    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, first, x, y)
+    scaling = eqx_amp.fp8.DelayedScaling.init(
+        loss_fn, first, x, y, scales_in_gemm=scales_in_gemm
+    )
 
     def member(model):
         def scaled(diff):
@@ -832,8 +847,9 @@ def test_an_ensemble_vmapped_over_the_whole_step(getkey):
     assert exponents.shape == (2, len(scaling.kinds))
 
 
+@pytest.mark.parametrize("scales_in_gemm", [False, True])
 @pytest.mark.parametrize("road", ["filter_amp", "autocast", "bimodel"])
-def test_no_tracer_outlives_a_delayed_step(road, getkey):
+def test_no_tracer_outlives_a_delayed_step(road, scales_in_gemm, getkey):
     model, (x, y) = _mlp(getkey()), _data(getkey())
     wrap = {
         **ROADS,
@@ -843,7 +859,9 @@ def test_no_tracer_outlives_a_delayed_step(road, getkey):
     def loss_fn(model, x, y):
         return jnp.mean((wrap(model)(x).astype(jnp.float32) - y) ** 2)
 
-    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    scaling = eqx_amp.fp8.DelayedScaling.init(
+        loss_fn, model, x, y, scales_in_gemm=scales_in_gemm
+    )
     run = _delayed_value_and_grad(loss_fn)
     with jax.checking_leaks():
         for _ in range(2):

@@ -51,11 +51,8 @@ _OFFSET = 128  # bin of the scale 2**k: k + _OFFSET
 _ZERO_BIN = BINS - 1  # an all-zero (or all non-finite) tensor
 _NONE = 127  # a history entry without an observation: above every exponent
 _LOWEST = -126  # the smallest scale exponent: its inverse is float32's largest binade
-# With `scales_in_gemm`, activations' and weights' scales stay within 2**±63, so
-# that the product of two inverses is a normal float32: a GPU's fp8 GEMM applies
-# the forward product's scales itself (`_products.dequantized_product`), multiplied
-# together. An operand saturates only past an amax of 448 * 2**63 (4e21), and
-# values below 2**-72 of one whose amax is under 5e-17 are lost.
+# With `scales_in_gemm`, the bound on activations' and weights' scale exponents
+# (`DelayedScaling`'s docstring says why).
 _OPERAND_LIMIT = 63
 _MARGIN_LIMIT = 16
 
