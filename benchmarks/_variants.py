@@ -221,6 +221,16 @@ autocast_fp8_rowwise = wrapped(
         },
     )
 )
+# The same, where an fp8 GEMM pays for rowwise quantisation (an H100 estimate).
+autocast_fp8_rowwise_paying = wrapped(
+    ft.partial(
+        eqx_amp.autocast,
+        rules={
+            jax.lax.dot_general_p: eqx_amp.fp8.ROWWISE.where_it_pays(),
+            jax.lax.conv_general_dilated_p: eqx_amp.fp8.ROWWISE.where_it_pays(),
+        },
+    )
+)
 # The matmuls and convolutions that read the model's parameters, in fp8.
 filter_amp_fp8 = wrapped(ft.partial(eqx_amp.filter_amp, fp8=eqx_amp.fp8.TENSORWISE))
 # Those whose fp8 GEMMs pay for their quantisation (an H100 estimate from the shapes).
@@ -503,6 +513,10 @@ VARIANTS: dict[str, Variant] = {
             autocast_fp8_rowwise("bf16"),
         ),
         Variant(
+            "autocast_fp8_rowwise_paying", "eqx_amp", "fp8", "none",
+            autocast_fp8_rowwise_paying("bf16"),
+        ),
+        Variant(
             "autocast_fp8_attention", "eqx_amp", "fp8", "none",
             autocast_fp8_attention("bf16"),
         ),
@@ -545,7 +559,8 @@ VARIANTS: dict[str, Variant] = {
 # The fp8 roads beyond `autocast_fp8` run in `--variants all` and the H100 compile
 # (`--preset h100-aot`); a CPU has no fp8 GEMM to time them on.
 MORE_FP8 = (
-    "autocast_fp8_rowwise", "autocast_fp8_attention", "filter_amp_fp8",
+    "autocast_fp8_rowwise", "autocast_fp8_rowwise_paying", "autocast_fp8_attention",
+    "filter_amp_fp8",
     "filter_amp_fp8_paying", "bimodel_fp8", "filter_amp_fp8_delayed",
     "filter_amp_fp8_delayed_weights", "filter_amp_fp8_delayed_gemm",
 )  # fmt: skip

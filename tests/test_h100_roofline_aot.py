@@ -43,6 +43,7 @@ ROOFLINE_SCRIPT = textwrap.dedent(
 ROOFLINE_ROADS = (
     "filter_amp_bf16", "filter_amp_fp8", "autocast_fp8", "bimodel_fp8",
     "filter_amp_fp8_paying", "filter_amp_fp8_delayed_weights",
+    "autocast_fp8_rowwise_paying",
 )  # fmt: skip
 
 
@@ -100,6 +101,16 @@ def test_fp8_where_it_pays_is_faster_than_bfloat16(roofline):
     assert ours["gemm_flops"]["fp8"] == 3 * 2 * 8192 * 768 * 32768
 
 
+def test_rowwise_where_it_pays_leaves_gpt2_small_in_bfloat16(roofline):
+    """Rowwise quantises each tensor along both of its axes: by its estimate no
+    product of this size pays (every product rowwise is 1.06x hand-cast's step,
+    and the products tensorwise's estimate had picked for it 1.00x), so the step
+    is hand-cast's program."""
+    hand, ours = roofline["hand_bf16"], roofline["autocast_fp8_rowwise_paying"]
+    assert "fp8" not in ours["gemm_flops"]
+    assert ours == hand
+
+
 def test_delayed_scaling_is_faster_than_bfloat16_at_gpt2_small_size(roofline):
     """Every product in fp8 with delayed scales (`eqx_amp.fp8.DelayedScaling`,
     weights' scales too) meets the goal of at most 0.97x hand-cast's step at this
@@ -124,7 +135,7 @@ def flash_llama():
         "llama",
         "depth=1,attention=cudnn",
         "hand_bf16,autocast_bf16,filter_amp_fp8,filter_amp_fp8_delayed_weights,"
-        "filter_amp_fp8_delayed_gemm",
+        "filter_amp_fp8_delayed_gemm,autocast_fp8_rowwise_paying",
     )
 
 
@@ -162,6 +173,15 @@ def test_fp8_pays_at_llama_size_with_flash_attention(flash_llama):
     assert fp8["time_s_with_launches"] <= 0.80 * hand["time_s_with_launches"]
     ideal = _gpu_hlo.ideal_ratio(fp8, hand)
     assert ideal == pytest.approx(0.678, abs=0.005)
+
+
+def test_rowwise_pays_at_llama_size(flash_llama):
+    """At the Llama-style size every product pays for rowwise quantisation too, by
+    its estimate: `ROWWISE.where_it_pays()` keeps all of `filter_amp`'s products in
+    fp8 (attention's own stay with cuDNN)."""
+    rowwise = flash_llama["autocast_fp8_rowwise_paying"]
+    assert rowwise["gemm_flops"] == flash_llama["filter_amp_fp8"]["gemm_flops"]
+    assert rowwise["time_s"] <= 0.81 * flash_llama["hand_bf16"]["time_s"]
 
 
 def test_delayed_scaling_meets_the_llama_goals(flash_llama):
