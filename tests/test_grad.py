@@ -526,6 +526,9 @@ def test_bad_options(transform):
         transform(mse, redo_on_nan=-1)
     with pytest.raises(ValueError, match="`redo_on_nan` must be 0 or more"):
         transform(redo_on_nan=-1)  # the decorator-factory form fails early too
+    # The retries are counted in int32: past it the loop could not compare.
+    with pytest.raises(ValueError, match=r"`redo_on_nan` must be at most 2147483646"):
+        transform(mse, redo_on_nan=2**40)
     with pytest.raises(TypeError, match="`redo_on_nan`"):
         transform(mse, redo_on_nan=1.5)
     with pytest.raises(TypeError, match="`redo_on_nan`"):

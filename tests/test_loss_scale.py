@@ -124,6 +124,36 @@ def test_abstract_base():
             ValueError,
             r"`factor` must be greater than 1 and at most the largest float32",
         ),
+        # float32 rounds it to 1: the scale would never move.
+        (
+            {"factor": 1 + 1e-10},
+            ValueError,
+            r"`factor` must be greater than 1 .*must not round to 1\), but got "
+            r"1.0000000001",
+        ),
+        # Checked as given, before an int32 conversion wraps or truncates it.
+        (
+            {"counter": np.int64(2**32 + 5), "period": 2**31 - 1},
+            ValueError,
+            r"`counter` must fit an int32 .*but got 4294967301",
+        ),
+        (
+            {"counter": np.array(2**40), "period": 2**31 - 1},
+            ValueError,
+            r"`counter` must fit an int32",
+        ),
+        ({"counter": 2**40}, ValueError, r"`counter` must fit an int32"),
+        (
+            {"counter": jnp.float32(1.5), "period": 4},
+            ValueError,
+            r"`counter` must be a whole number, but got 1.5",
+        ),
+        ({"counter": float("inf")}, ValueError, r"`counter` must be a whole number"),
+        (
+            {"loss_scale": 10**400},
+            ValueError,
+            r"`loss_scale` must be a positive, normal float32.*got 1000000",
+        ),
         ({"period": 2**40}, ValueError, r"`period` must be from 1 to 2147483647"),
         ({"counter": -1}, ValueError, "`counter`"),
         ({"counter": 5, "period": 5}, ValueError, "`counter`"),
@@ -133,6 +163,18 @@ def test_abstract_base():
 def test_dynamic_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         eqx_amp.DynamicLossScale(**kwargs)
+
+
+@pytest.mark.parametrize("factor", [2**31, 2**40, 2.0**100])
+def test_a_factor_past_int32_grows_and_backs_off_in_float32(factor):
+    scale = eqx_amp.DynamicLossScale(2.0**100, period=1, factor=factor)
+    grown, backed_off = scale.adjust(jnp.array(True)), scale.adjust(jnp.array(False))
+    assert float(backed_off.loss_scale) == max(2.0**100 / factor, 1.0)
+    expected = 2.0**100 * factor
+    assert float(grown.loss_scale) == (expected if expected < 2.0**128 else 2.0**100)
+    # The counter of a jax array counter is kept as given.
+    kept = eqx_amp.DynamicLossScale(counter=jnp.float32(1.0), period=4)
+    assert kept.counter.dtype == jnp.int32 and int(kept.counter) == 1
 
 
 @pytest.mark.parametrize(

@@ -359,6 +359,9 @@ def check_decorated(fun: Any, transform: str) -> None:
         )
 
 
+_MAX_REDO = 2**31 - 2  # the retry counter, an int32, reaches `redo_on_nan + 1`
+
+
 def _check_options(
     has_aux: Any, redo_on_nan: Any, axis_name: Any, average: Any = True
 ) -> int:
@@ -380,6 +383,11 @@ def _check_options(
             "`redo_on_nan` must be 0 or more (how many times to recompute the "
             f"gradients with a lower loss scale when they are not finite), but got "
             f"{redo_on_nan}."
+        )
+    if redo_on_nan > _MAX_REDO:
+        raise ValueError(
+            f"`redo_on_nan` must be at most {_MAX_REDO} (the retries are counted in "
+            f"int32), but got {redo_on_nan}."
         )
     check_axis_name(axis_name)
     return redo_on_nan

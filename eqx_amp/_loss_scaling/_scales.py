@@ -11,6 +11,7 @@ static, so a scale passes through `jax.jit` with every field intact, can be a
 
 import abc
 import functools as ft
+import math
 import numbers
 import operator
 from typing import Any
@@ -53,17 +54,36 @@ def _scalar_array(value: Any, dtype: Any, argname: str) -> Array:
             f"`{argname}` must be a real number or a real scalar array, but got "
             f"{describe(value)}."
         )
-    if is_number and jnp.issubdtype(dtype, jnp.integer) and value != int(value):
-        raise ValueError(f"`{argname}` must be a whole number, but got {value!r}.")
-    if is_number and jnp.issubdtype(dtype, jnp.floating):
-        _check_normal_float32(float(value), argname)
-    array = jnp.asarray(value, dtype=dtype)
-    if array.shape != ():
+    if np.shape(value) != ():
         raise ValueError(
             f"`{argname}` must be a scalar, but got an array of shape "
-            f"{tuple(array.shape)}."
+            f"{tuple(np.shape(value))}."
         )
-    return array
+    if not isinstance(value, jax.core.Tracer):
+        # An array too: `jnp.asarray` would wrap an int64 past int32 and truncate a
+        # float counter silently.
+        _check_holds(value.item() if eqx.is_array(value) else value, dtype, argname)
+    return jnp.asarray(value, dtype=dtype)
+
+
+def _check_holds(value: int | float, dtype: Any, argname: str) -> None:
+    """Raises unless the concrete number `value` is one `dtype` (int32 or float32)
+    holds as it is: a whole number within int32, or a positive normal float32."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        try:
+            as_float = float(value)
+        except OverflowError:  # an int past any float
+            as_float = math.inf
+        _check_normal_float32(as_float, argname, given=value)
+        return
+    if not (math.isfinite(value) and value == int(value)):
+        raise ValueError(f"`{argname}` must be a whole number, but got {value!r}.")
+    info = np.iinfo(dtype)
+    if not info.min <= int(value) <= info.max:
+        raise ValueError(
+            f"`{argname}` must fit an int32 (from {info.min} to {info.max}), but got "
+            f"{value!r}."
+        )
 
 
 def _is_real_number(value: Any) -> bool:
@@ -82,14 +102,15 @@ def _is_real_number(value: Any) -> bool:
 _FLOAT32 = np.finfo(np.float32)
 
 
-def _check_normal_float32(value: float, argname: str) -> None:
+def _check_normal_float32(value: float, argname: str, given: Any = None) -> None:
     """A scale must be a positive normal float32: XLA flushes subnormals to zero on
-    most backends, and a scale of exactly 0 (or inf) ends training silently."""
+    most backends, and a scale of exactly 0 (or inf) ends training silently.
+    `given`: the number as the caller gave it, for the message."""
     if not (float(_FLOAT32.tiny) <= value <= float(_FLOAT32.max)):
         raise ValueError(
             f"`{argname}` must be a positive, normal float32 number, between "
             f"{float(_FLOAT32.tiny):.6g} (2**-126) and {float(_FLOAT32.max):.6g}, "
-            f"but got {value!r}."
+            f"but got {value if given is None else given!r}."
         )
 
 
@@ -136,14 +157,22 @@ def _as_factor(factor: Any) -> int | float:
             f"`factor` must be a Python int or float (it is static configuration, "
             f"part of the pytree structure), but got {describe(factor)}."
         )
-    factor = int(factor) if isinstance(factor, (int, np.integer)) else float(factor)
-    if not (1 < factor <= float(_FLOAT32.max)):
+    given = factor
+    try:
+        with np.errstate(over="ignore"):
+            in_float32 = float(np.float32(factor))
+    except OverflowError:  # an int past any float
+        in_float32 = math.inf
+    # The scale is multiplied by `factor` in float32: one that rounds to 1 there
+    # would never move it, and an int past int32 would not be taken as a scalar.
+    if not (1 < in_float32 <= float(_FLOAT32.max)):
         raise ValueError(
             f"`factor` must be greater than 1 and at most the largest float32 (the "
-            f"scale is multiplied by it to grow and divided by it to back off), but "
-            f"got {factor}."
+            f"scale is multiplied by it to grow and divided by it to back off, in "
+            f"float32, where it must not round to 1), but got {given!r}."
         )
-    return factor
+    fits_int32 = isinstance(factor, (int, np.integer)) and factor <= _MAX_PERIOD
+    return int(factor) if fits_int32 else float(factor)
 
 
 def _check_positive_finite(x: Array, argname: str) -> None:
@@ -367,7 +396,8 @@ class DynamicLossScale(AbstractLossScale):
     - `period`: how many finite steps in a row make the scale grow; a Python int,
         at least 1. Default 2000.
     - `factor`: what the scale is multiplied by to grow and divided by to back off;
-        a Python int or float greater than 1. Default 2.
+        a Python int or float greater than 1 in float32 (where the scale is
+        multiplied by it). Default 2.
     - `min_loss_scale`: the scale never goes below this; a positive finite number,
         stored as a float32 scalar array. Default 1.
 
