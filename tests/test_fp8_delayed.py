@@ -106,12 +106,13 @@ def test_every_product_forward_and_backward_reads_fp8(scales_in_gemm, getkey):
         loss_fn, model, x, y, scales_in_gemm=scales_in_gemm
     )
 
-    def scaled(model, scaling):
+    def scaled(diff):
+        model, scaling = diff
         with eqx_amp.fp8.delayed(scaling):
             return loss_fn(model, x, y)
 
     grad_fn = eqx.filter_grad(scaled)
-    jaxpr = eqx.filter_make_jaxpr(grad_fn)(model, scaling)[0]
+    jaxpr = eqx.filter_make_jaxpr(grad_fn)((model, scaling))[0]
     eqns = [eqn for eqn, _ in walk_eqns(jaxpr.jaxpr)]
     made = {var: eqn for eqn in eqns for var in eqn.outvars}
     fp8 = {"float8_e4m3fn", "float8_e5m2"}
@@ -140,7 +141,7 @@ def test_every_product_forward_and_backward_reads_fp8(scales_in_gemm, getkey):
         if eqn not in forward:
             assert {d.name for d in in_dtypes(eqn)} <= fp8
     # And so `precision_report` counts every product in fp8.
-    report = eqx_amp.precision_report(grad_fn, model, scaling)
+    report = eqx_amp.precision_report(grad_fn, (model, scaling))
     assert set(report.flops_by_dtypes) <= {
         ("float8_e4m3fn", "float8_e4m3fn"),
         ("float8_e5m2", "float8_e4m3fn"),
@@ -569,6 +570,9 @@ def test_retracing_reuses_the_slots_and_a_different_program_is_refused(getkey):
 
 
 @pytest.mark.parametrize("scales_in_gemm", [False, True])
+# Differentiated with respect to the model alone: the observations are lost, and
+# `delayed` says so; what is tested is the refusal.
+@pytest.mark.filterwarnings("ignore:`eqx_amp.fp8.delayed`. a product is differentiated")
 def test_second_order_derivatives_and_an_inner_vmap_are_refused(scales_in_gemm, getkey):
     model, (x, y) = _mlp(getkey()), _data(getkey())
     loss_fn = _loss_on("filter_amp")
@@ -868,3 +872,128 @@ def test_no_tracer_outlives_a_delayed_step(road, scales_in_gemm, getkey):
         _, _, observed = run(model, scaling, x, y)
         scaling = scaling.update(observed)
     assert np.all(np.isfinite(scaling.scales()))
+
+
+class _ReadInAndAfterALoop(eqx.Module):
+    """An activation read by a product in a loop body (closed over, as an encoder's
+    memory is by scanned layers) and by another after the loop."""
+
+    inner: eqx.nn.Linear
+    outer: eqx.nn.Linear
+    loop: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        def add(c):
+            return c + jax.vmap(self.inner)(x)
+
+        zero = jnp.zeros(x.shape, x.dtype)
+        if self.loop == "scan":
+            h, _ = jax.lax.scan(lambda c, _: (add(c), None), zero, None, length=2)
+        elif self.loop == "fori_loop":
+            h = jax.lax.fori_loop(0, 2, lambda i, c: add(c), zero)
+        else:
+            h = jax.checkpoint(add)(zero)
+        return jax.vmap(self.outer)(x) + h[:, :32]
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori_loop", "checkpoint"])
+def test_an_activation_read_in_a_loop_body_and_after_it(loop, getkey):
+    """Its fp8 form made inside the body is the body's: the read after the loop
+    quantises it again (it crashed with an escaped tracer)."""
+    model = _ReadInAndAfterALoop(
+        eqx.nn.Linear(64, 64, key=getkey()), eqx.nn.Linear(64, 32, key=getkey()), loop
+    )
+    x, y = _data(getkey())
+
+    def loss_fn(model, x, y):
+        out = eqx_amp.filter_amp(model, fp8=TENSORWISE)(x).astype(jnp.float32)
+        return jnp.mean((out - y) ** 2)
+
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    loss, grads, observed = _delayed_value_and_grad(loss_fn)(model, scaling, x, y)
+    current = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, x, y)
+    _same((loss, grads), current)
+    assert np.all(np.stack(observed.received).sum(axis=1) >= 1)
+
+
+def test_a_step_that_observes_nothing_keeps_every_entry_of_the_history(getkey):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y, history=2)
+    _, _, big = _delayed_value_and_grad(loss_fn)(model, scaling, 64 * x, y)
+    _, _, small = _delayed_value_and_grad(loss_fn)(model, scaling, x / 64, y)
+    # A large amax, then a small one: the scale is the large amax's.
+    seen = scaling.update(big).update(small)
+    assert np.any(seen.history[:, 0] != seen.history[:, 1])
+    nothing = jax.tree.map(jnp.zeros_like, small)
+    skipped = jax.tree.map(lambda r: jnp.full_like(r, jnp.nan), small)
+    for observed in (nothing, skipped):
+        kept = seen.update(observed)
+        np.testing.assert_array_equal(kept.history, seen.history)
+        np.testing.assert_array_equal(kept.scales(), seen.scales())
+
+
+def test_a_scaling_that_is_not_differentiated_is_warned_of(getkey):
+    """`delayed` around the gradient's call, with the scaling not among what is
+    differentiated: its observations cannot leave, so the scales would never
+    move."""
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    with pytest.warns(
+        UserWarning, match=r"the `DelayedScaling` given to `delayed` is not"
+    ):
+        with eqx_amp.fp8.delayed(scaling):
+            eqx.filter_value_and_grad(loss_fn)(model, x, y)
+    # Differentiated with the model, or not differentiated at all: no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _delayed_value_and_grad(loss_fn)(model, scaling, x, y)
+        with eqx_amp.fp8.delayed(scaling):
+            eqx.filter_jit(loss_fn)(model, x, y)
+
+
+def test_delayed_entered_twice_is_refused(getkey):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    with pytest.raises(ValueError, match=r"`eqx_amp.fp8.delayed` is in effect"):
+        with eqx_amp.fp8.delayed(scaling):
+            with eqx_amp.fp8.delayed(scaling):
+                pass
+
+
+def test_a_product_under_stop_gradient_is_named_among_the_unseen(getkey):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+
+    def loss_fn(model, x, y):
+        forward = ROADS["filter_amp"](model)
+        target = jax.lax.stop_gradient(forward(2 * x)).astype(jnp.float32)
+        return jnp.mean((forward(x).astype(jnp.float32) - target) ** 2)
+
+    with pytest.warns(
+        UserWarning, match=r"observed no tensor.*`jax.lax.stop_gradient`"
+    ):
+        eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+
+
+def test_update_under_x64_with_strict_promotion(getkey):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    _, _, observed = _delayed_value_and_grad(loss_fn)(model, scaling, x, y)
+    with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+        newer = scaling.update(observed)
+    assert newer.history.dtype == jnp.int32
+    np.testing.assert_array_equal(newer.history, scaling.update(observed).history)
+
+
+def test_a_concrete_forward_under_delayed_weights_is_refused(getkey):
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    with pytest.raises(ValueError, match=r"a product ran on concrete arrays"):
+        with eqx_amp.fp8.delayed(scaling):
+            loss_fn(model, x, y)
+    with eqx_amp.fp8.delayed(scaling):  # traced: as a step runs it
+        assert np.isfinite(eqx.filter_jit(loss_fn)(model, x, y))

@@ -259,12 +259,12 @@ class DelayedScaling(eqx.Module):
         if axis_name is not None:
             counts = lax.psum(counts, axis_name)
         # NaN counts (a skipped step's gradients) hit no bin. A slot that observed
-        # nothing, or only zeros, repeats its newest entry: its scale stays.
+        # nothing, or only zeros, keeps its history as it was: its scale stays, and
+        # no entry of it ages out.
         hit = counts[:, :_ZERO_BIN] > 0
-        newest = jnp.where(
-            hit.any(axis=1), jnp.argmax(hit, axis=1) - _OFFSET, self.history[:, 0]
-        ).astype(jnp.int32)
-        history = jnp.concatenate([newest[:, None], self.history[:, :-1]], axis=1)
+        newest = jnp.argmax(hit, axis=1).astype(jnp.int32) - jnp.int32(_OFFSET)
+        shifted = jnp.concatenate([newest[:, None], self.history[:, :-1]], axis=1)
+        history = jnp.where(hit.any(axis=1)[:, None], shifted, self.history)
         received = tuple(jnp.zeros(BINS, jnp.float32) for _ in self.kinds)
         return eqx.tree_at(lambda s: (s.history, s.received), self, (history, received))
 
@@ -286,8 +286,24 @@ _DIFFERENT_PROGRAM = (
 _UNSEEN = (
     "`DelayedScaling.init`: the slots {slots} observed no tensor in the run on "
     "these arguments (a product in a `lax.cond` branch not taken, an empty batch, "
-    "or an inner `jax.jit` reusing a trace made without the scaling); they keep a "
-    "scale of 1 until a step observes them."
+    "an inner `jax.jit` reusing a trace made without the scaling, or a product "
+    "whose output gets no gradient, such as one under `jax.lax.stop_gradient`: "
+    "observations leave as gradients); they keep a scale of 1 until a step "
+    "observes them. Run products that get no gradient outside `delayed`."
+)
+_NOT_TRACED = (
+    "`eqx_amp.fp8.delayed`: a product ran on concrete arrays, outside any trace. A "
+    "`DelayedScaling` with weight slots (`weights=True`) quantises each weight once "
+    "per traced call: run the step under `jax.jit` (or `eqx.filter_jit`, or inside "
+    "`jax.grad`)."
+)
+_NOT_DIFFERENTIATED = (
+    "`eqx_amp.fp8.delayed`: a product is differentiated but the `DelayedScaling` "
+    "given to `delayed` is not, so this step's observations (its gradient) are "
+    "lost and the scales never move. Differentiate the loss with respect to the "
+    "scaling too, and enter `delayed` with that differentiated scaling, inside the "
+    "function differentiated: `eqx.filter_value_and_grad(scaled_loss)((model, "
+    "scaling), ...)`."
 )
 
 
@@ -317,13 +333,16 @@ class _Supply:
                 in_range = jnp.clip(scales / factor, 2.0**_LOWEST, MAX_SCALE)
                 scales = jnp.where(is_gradient, power_of_two_at_most(in_range), scales)
             self._scales = lax.stop_gradient(scales)
-        # id(array) -> (array, fp8 values, scale): an activation quantised already.
-        self._quantized: dict[int, tuple[Array, Array, Array]] = {}
+        # (id(array), id(trace)) -> (array, trace, fp8 values, scale): an activation
+        # quantised already in that trace. An array a loop body closes over is the
+        # same object inside it and after it, but values made inside are the body's.
+        self._quantized: dict[tuple[int, int], tuple[Any, Any, Array, Array]] = {}
         # id(fp8 values) -> (fp8 values, receiver, amax): a weight's, whose amax no
         # product has handed out yet.
         self._pending: dict[int, tuple[Array, Array, Array]] = {}
         # id(fp8 values) -> fp8 values quantised with a scale within 2**±63.
         self._bounded: dict[int, Array] = {}
+        self._warned = False
 
     def take(self, kind: str, sizes: tuple[int, ...]) -> tuple[Array | None, Array]:
         index = len(self.kinds)
@@ -359,9 +378,10 @@ class _Supply:
         """`x`'s fp8 values, their scale (shaped to broadcast against `x`) and what
         to hand out: `((receiver,), (amax,))` the first time `x` is read (by a
         product contracting `sizes`)."""
-        entry = self._quantized.get(id(x))
-        if entry is not None and entry[0] is x:
-            return entry[1], entry[2], ((), ())
+        trace = compat.current_trace()
+        entry = self._quantized.get((id(x), id(trace)))
+        if entry is not None and entry[0] is x and entry[1] is trace:
+            return entry[2], entry[3], ((), ())
         scale, receiver = self.take("activation", sizes)
         values = lax.stop_gradient(x)
         amax = finite_amax(values, tuple(range(x.ndim))).reshape(())
@@ -370,7 +390,7 @@ class _Supply:
         quantized = quantize_with(values, scale, E4M3)
         self._note_bound(quantized)
         shaped = jnp.reshape(scale, (1,) * x.ndim)
-        self._quantized[id(x)] = (x, quantized, shaped)
+        self._quantized[(id(x), id(trace))] = (x, trace, quantized, shaped)
         return quantized, shaped, ((receiver,), (amax,))
 
     def weight(
@@ -387,6 +407,17 @@ class _Supply:
         self._pending[id(quantized)] = (quantized, receiver, amax)
         self._note_bound(quantized)
         return quantized, scale
+
+    def check_differentiated(self, lhs: Array, rhs: Array, receiver: Array) -> None:
+        """Warns (once) where a product is differentiated and its receivers are
+        not: the scaling's gradient, which carries the observations, is not asked
+        for."""
+        if self.state is None or self._warned:
+            return
+        product = compat.is_differentiated(lhs) or compat.is_differentiated(rhs)
+        if product and not compat.is_differentiated(receiver):
+            self._warned = True
+            warnings.warn(_NOT_DIFFERENTIATED, stacklevel=5)
 
     def _note_bound(self, quantized: Array) -> None:
         # Current scaling (`init`'s run) takes scales from the amax, unbounded.
@@ -428,17 +459,30 @@ def _using(supply: _Supply) -> Iterator[_Supply]:
 def delayed(scaling: DelayedScaling) -> Iterator[None]:
     """Within it, the tensorwise fp8 matmuls traced (of `filter_amp`, `BiModel`
     and `autocast`, outside any `jax.vmap`) take their scales from `scaling`, and
-    hand this step's observations out as the gradient of `scaling`.
+    hand this step's observations out as the gradient of `scaling`: enter it inside
+    the function differentiated, with the scaling differentiated (a differentiated
+    product under a scaling that is not warns that its observations are lost).
 
     ```python
-    with eqx_amp.fp8.delayed(scaling):
-        loss = loss_fn(model, x, y)
+    def scaled_loss(diff, x, y):
+        model, scaling = diff
+        with eqx_amp.fp8.delayed(scaling):
+            return loss_fn(model, x, y)
+
+    grad_fn = eqx.filter_value_and_grad(scaled_loss)
+    loss, (grads, observed) = grad_fn((model, scaling), x, y)
     ```
     """
     if not isinstance(scaling, DelayedScaling):
         raise TypeError(
             "`eqx_amp.fp8.delayed` takes a `DelayedScaling` (made by "
             f"`DelayedScaling.init`), got {type(scaling).__name__}."
+        )
+    if _supply.get() is not None:
+        raise ValueError(
+            "`eqx_amp.fp8.delayed` is in effect already (an outer `delayed`, or the "
+            "run of `DelayedScaling.init`, which applies its own): enter it once, "
+            "around the loss, and give `DelayedScaling.init` the loss without it."
         )
     supply = _Supply(scaling, weights=scaling.weights)
     with _using(supply):
@@ -469,6 +513,10 @@ def delayed_matmul(
     """A tensorwise fp8 matmul whose scales come from `supply`: each operand
     quantised once per call (a weight by `quantize_weights_once`, any other array
     at its first product), the output gradient with a slot of its own."""
+    if supply.delays_weights and not (compat.is_traced(lhs) or compat.is_traced(rhs)):
+        # Weights are quantised once per traced call (`quantize_weights_once`); a
+        # concrete one would take an activation's slot.
+        raise ValueError(_NOT_TRACED)
     forms, receivers, amaxes = [], [], []
     contracting = tuple(lhs.shape[a] for a in dims[0][0])
     for x in (lhs, rhs):
@@ -482,6 +530,7 @@ def delayed_matmul(
         receivers += handed
         amaxes += amax
     g_scale, g_receiver = supply.take("gradient", contracting)
+    supply.check_differentiated(lhs, rhs, g_receiver)
     bounded = all(supply.scale_is_bounded(values) for values, _ in forms)
     matmul = fp8_matmul_delayed(
         dims, out_dtype, lhs_dtype, rhs_dtype, grad_dtype, observation, bounded

@@ -130,6 +130,8 @@ _debugging = _internal("jax._src.debugging", required=False)
 _solves = _internal("jax._src.lax.control_flow.solves", required=False)
 _lax_internal = _internal("jax._src.lax.lax", required=False)
 _batching = _internal("jax._src.interpreters.batching")
+_core = _internal("jax._src.core")
+_ad = _internal("jax._src.interpreters.ad")
 
 # Source lines of traced ops name the user's code, not eqx_amp's casts and wrappers
 # (Equinox registers its own files the same way).
@@ -397,6 +399,24 @@ def varying_axes(value: Any) -> frozenset:
 def is_traced(value: Any) -> bool:
     """Whether `value` is a tracer (of any transformation), not a concrete array."""
     return isinstance(value, jax.core.Tracer)
+
+
+def current_trace() -> Any:
+    """The trace JAX is building now, the innermost: a value made while tracing a
+    body (a scan's, a branch's) is that body's alone, even when it was computed
+    from an array the body closes over. No public API names the trace."""
+    if _core is None or not hasattr(_core, "trace_ctx"):
+        raise unsupported("jax._src.core.trace_ctx is missing")
+    return _core.trace_ctx.trace
+
+
+def is_differentiated(value: Any) -> bool:
+    """Whether `value` is being differentiated at its innermost level (`jax.grad`,
+    `jax.vjp` and `jax.jvp` trace it). No public API says which transformation a
+    tracer belongs to."""
+    if _ad is None:
+        raise unsupported("jax._src.interpreters.ad is missing")
+    return isinstance(value, (_ad.JVPTracer, _ad.LinearizeTracer))
 
 
 def is_batched(value: Any) -> bool:
