@@ -175,3 +175,32 @@ def test_kahan_tracks_the_float32_sum_of_tiny_updates():
         updates, state = optimizer.update(tiny, state, params)
         params = eqx_amp.optim.apply_updates(params, updates)
     assert np.all(np.abs(np.asarray(params[0], np.float32) - 1.1) <= 2**-7)
+
+
+def _kahan_run(update: float, steps: int) -> tuple[float, float]:
+    """A bfloat16 weight of 1 after `steps` Kahan-compensated steps of `update`,
+    and the float32 sum it follows."""
+    optimizer = eqx_amp.optim.kahan_summation()
+    weight = jnp.ones((1,), BF16)
+    step = jnp.full((1,), update, jnp.float32)
+
+    def body(carry, _):
+        weight, state = carry
+        updates, state = optimizer.update(step, state, weight)
+        return (eqx_amp.optim.apply_updates(weight, updates), state), None
+
+    (weight, _), _ = jax.jit(lambda c: jax.lax.scan(body, c, None, length=steps))(
+        (weight, optimizer.init(weight))
+    )
+    return float(weight[0]), 1.0 + steps * update
+
+
+def test_kahan_summation_follows_updates_down_to_2_to_the_minus_17_of_the_weight():
+    # The documented limit: down to about 2^-17 of the weight, within one ulp of
+    # the float32 sum (2^-8 below 1.0); 16 ulps of movement each.
+    for update in (-(2.0**-12), -(2.0**-15), -(2.0**-17)):
+        weight, exact = _kahan_run(update, int(2.0**-4 / -update))
+        assert abs(weight - exact) <= 2.0**-8
+    # Below it the bfloat16 buffer rounds each update away: the weight stalls.
+    weight, exact = _kahan_run(-(2.0**-20), 2**16)
+    assert weight == 1.0 and exact == 1.0 - 2.0**-4

@@ -185,8 +185,10 @@ def low_precision_moments(
     is: stored coarsely, it would move the weights. Non-negative moments (`nu`
     but Sophia's, whose Hessian estimates can be negative, and SM3's, a momentum; `nu_max`,
     `sum_of_squares`, `v_row`, `v_col`, Adafactor's `v`, `n`, `e_g`, `e_x`) are
-    stored as their square roots. Encoding rounds stochastically, so the moments stay
-    unbiased however small a step's change.
+    stored as their square roots. Encoding rounds stochastically, so the stored
+    values stay unbiased however small a step's change (a square read back from its
+    root is biased up by the rounding's variance: the training-state guide gives
+    figures).
 
     - `"bfloat16"`: 2 bytes per value (float32's range, 8 significant bits).
     - `"8bit"`: 1 byte per value plus two bfloat16 numbers per block of

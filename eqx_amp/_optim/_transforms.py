@@ -232,6 +232,11 @@ def kahan_summation() -> optax.GradientTransformation:
     it with `eqx_amp.optim.apply_updates`. float32 (and wider) weights pass through
     unchanged.
 
+    The buffer is bfloat16 too: the weight follows the float32 sum to within an ulp
+    while each update is at least about 2^-17 of the weight; smaller ones are
+    rounded away in the buffer (use `stochastic_rounding` or `master_weights` at
+    learning rates that small).
+
     Memory: 2 bytes per bfloat16 weight (the buffer), so a bfloat16 model with
     this costs what a float32 one does in weights, and half a float32 master +
     bfloat16 copy. `eqx_amp.optim.stochastic_rounding` needs no buffer.
