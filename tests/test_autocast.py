@@ -67,6 +67,30 @@ def test_functions_follow_the_rules(fn, full_ops, getkey):
     assert rel_error(jax.grad(loss(amp))(x), jax.grad(loss(fn))(x)) < 5e-2
 
 
+def test_average_pooling_sums_its_windows_in_float32(getkey):
+    """A 64 x 64 window of values near 1.5: a bfloat16 running sum stops at 2048
+    (one ulp of it is 16, more than any value added), which averaged 0.5."""
+    conv = eqx.nn.Conv2d(1, 1, 1, use_bias=False, key=getkey())
+    conv = eqx.tree_at(lambda c: c.weight, conv, jnp.ones((1, 1, 1, 1)))
+    pool = eqx.nn.AvgPool2d(64, 1)
+    fn = lambda x: pool(conv(x))  # noqa: E731
+    x = 1.0 + jr.uniform(getkey(), (1, 64, 64))
+    amp = eqx_amp.autocast(fn)
+    (found,) = ops_in(traced(amp, x), "reduce_window_sum")
+    assert found == [F32]
+    assert rel_error(amp(x), fn(x)) < 1e-2
+
+
+def test_an_fft_of_an_activation_runs_in_float32(getkey):
+    # XLA has no half-precision FFT: an RFFT of bfloat16 is refused.
+    w = jr.normal(getkey(), (16, 16))
+    fn = lambda x: jnp.abs(jnp.fft.rfft(x @ w)) ** 2  # noqa: E731
+    x = jr.normal(getkey(), (8, 16))
+    for policy in ("mixed_bfloat16", "mixed_float16"):
+        amp = eqx_amp.autocast(fn, policy=policy)
+        assert rel_error(amp(x), fn(x)) < 2e-2
+
+
 @pytest.mark.parametrize(
     "norm, scope",
     [
