@@ -19,6 +19,7 @@ from .helpers import (
     eqns_named,
     float_dtypes,
     in_dtypes,
+    rel_error,
     traced,
     walk_eqns,
 )
@@ -560,3 +561,36 @@ def test_an_fp8_filter_selecting_nothing_is_warned_of_at_the_users_line(getkey):
 
     line = build.__code__.co_firstlineno + 1
     _warning_at(line, r"`fp8_filter` selects no module", build)
+
+
+class _AffineFreeNorm(eqx.Module):
+    lin: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+
+    def __call__(self, x, state):
+        return self.bn(self.lin(x), state)
+
+
+@pytest.mark.parametrize("mode", ["ema", "batch"])
+@pytest.mark.parametrize("road", ["filter_amp", "BiModel"])
+def test_a_norm_layer_without_weights_is_kept(road, mode, getkey):
+    """An affine-free BatchNorm has no floating leaf to be kept by the spec (its
+    statistics are State): it still runs at its own float32 boundary (in "ema" mode
+    it failed on a select of float32 statistics and a bfloat16 input)."""
+    norm = eqx.nn.BatchNorm(8, "batch", channelwise_affine=False, mode=mode)
+    model, state = eqx.nn.make_with_state(_AffineFreeNorm)(
+        eqx.nn.Linear(4, 8, key=getkey()), norm
+    )
+    x = jr.normal(getkey(), (16, 4))
+    wrap = eqx_amp.filter_amp if road == "filter_amp" else eqx_amp.BiModel
+    amp = wrap(model, policy="mixed_bfloat16")
+    batched = lambda f: jax.vmap(  # noqa: E731
+        f, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+    )
+    with jax.numpy_dtype_promotion("standard"):
+        out, new_state = batched(amp)(x, state)
+        expected, _ = batched(model)(x, state)
+    assert out.dtype == jnp.float32
+    assert rel_error(out, expected) < 2e-2
+    for leaf in jax.tree.leaves(new_state):
+        assert leaf.dtype in (jnp.float32, jnp.int32, jnp.bool_)

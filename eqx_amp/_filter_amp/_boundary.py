@@ -21,6 +21,7 @@ from .._core._cast import (
     widest_floating_dtype,
 )
 from .._core._filters import (
+    NORM_LAYERS,
     SELF_CASTING_LAYERS,
     STATE_TYPES,
     FilterSpec,
@@ -81,13 +82,17 @@ def _with_boundary_class(module: eqx.Module, dtype: np.dtype) -> eqx.Module:
 
 
 def _fully_kept(node: eqx.Module, mask: PyTree[bool]) -> bool:
-    """True when `node` has floating arrays and the spec keeps all of them."""
+    """True when `node` has floating arrays and the spec keeps all of them, or has
+    none and is a norm layer (kept by default: an affine-free `BatchNorm`, whose
+    statistics are `State`, still computes them from its input's dtype)."""
     selected = [
         sel
         for leaf, sel in zip(jtu.tree_leaves(node), jtu.tree_leaves(mask))
         if is_floating_array(leaf)
     ]
-    return bool(selected) and not any(selected)
+    if not selected:
+        return isinstance(node, NORM_LAYERS)
+    return not any(selected)
 
 
 def _runs_at_own_dtype(node: eqx.Module) -> bool:
