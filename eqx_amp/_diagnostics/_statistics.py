@@ -68,11 +68,14 @@ class Measured(eqx.Module):
 
 
 def _rounds_to_inf(dtype: Any) -> float:
-    """The smallest magnitude a cast to `dtype` does not round to a finite value:
-    halfway past its largest finite value."""
+    """The smallest (float32) magnitude a cast to `dtype` does not round to a finite
+    value: halfway past its largest finite value, or just past halfway where that
+    value's last bit is even (e4m3fn's 448), to which the tie rounds (ties to even)."""
     largest = np.asarray(jnp.finfo(dtype).max, dtype)
     below = np.nextafter(largest, np.asarray(0, dtype))
-    return float(largest) + (float(largest) - float(below)) / 2
+    halfway = np.float32(float(largest) + (float(largest) - float(below)) / 2)
+    last_bit = int(largest.view(f"u{largest.dtype.itemsize}")) & 1
+    return float(halfway if last_bit else np.nextafter(halfway, np.float32(np.inf)))
 
 
 def _magnitude_bits(x: Array) -> Array:
