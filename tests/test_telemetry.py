@@ -802,3 +802,26 @@ def test_a_reduce_dtype_pullback_is_measured_as_a_product():
         _, tel = eqx.filter_jit(telemetry(_step))(amp, jr.normal(jr.key(1), (8, 16)))
     layers = {r.layer for r in tel.rows() if r.role == "parameter gradient"}
     assert layers == {f"model.layers[{i}]" for i in range(3)}
+
+
+@pytest.mark.parametrize("activation", [jnp.tanh, jnp.exp, jax.nn.relu, jax.nn.sigmoid])
+def test_every_layer_has_its_gradient_rows_whatever_the_activation(activation):
+    """tanh's and exp's derivatives multiply the output gradient by their forward
+    output, the next layer's input: the product is a gradient, not that input (the
+    first layer's gradient rows were dropped)."""
+    model = eqx.nn.MLP(16, 16, 16, 1, activation=activation, key=jr.key(0))
+    x = jr.normal(jr.key(1), (8, 16))
+
+    def step(model, x):
+        def loss(m):
+            return jnp.mean(jax.vmap(m)(x).astype(jnp.float32) ** 2)
+
+        return eqx.filter_value_and_grad(loss)(model)
+
+    amp = eqx_amp.filter_amp(model, policy="mixed_bfloat16")
+    _, tel = eqx.filter_jit(eqx_amp.diagnostics.telemetry(step))(amp, x)
+    for layer in ("model.layers[0]", "model.layers[1]"):
+        roles = {t.role for t in tel.tensors if t.layer == layer}
+        assert roles == {
+            "weight", "activation", "output gradient", "parameter gradient"
+        }, (layer, roles)  # fmt: skip

@@ -105,7 +105,7 @@ class Measure(Hook):
             ):
                 warn_once(_NOT_MEASURED.format(name=eqn.primitive))
             return outs
-        naming.flow(eqn, origins, recomputed)
+        naming.flow(eqn, origins, recomputed, transposed=frame.transposed)
         naming.replicate(eqn, invals)
         if recomputed:
             self._recomputed(eqn, invals, origins, frame)

@@ -55,7 +55,13 @@ class Naming:
     made_by: dict = dataclasses.field(default_factory=dict)
     made_at: dict = dataclasses.field(default_factory=dict)  # variable: its recipes
 
-    def flow(self, eqn: Any, origins: list[Origin], recomputed: bool = False) -> None:
+    def flow(
+        self,
+        eqn: Any,
+        origins: list[Origin],
+        recomputed: bool = False,
+        transposed: bool = False,
+    ) -> None:
         """A first-order equation's outputs inherit from its inputs: a parameter's
         path (if computed from it alone), the layer a tensor is an input or the
         gradient of, and the sites waiting for a product; a view of one tensor
@@ -86,7 +92,11 @@ class Naming:
         }
         pending: frozenset = frozenset()
         if not recomputed:
-            inherited["feeds"] = unique(self.feeds.get(v) for v in ins)
+            inherited["feeds"] = (
+                self._fed_in_backward(eqn, ins)
+                if transposed
+                else unique(self.feeds.get(v) for v in ins)
+            )
             inherited["grads"] = unique(self.grads.get(v) for v in ins)
             pending = pending.union(*(self.pending.get(v, ()) for v in ins))
         for out in eqn.outvars:
@@ -99,6 +109,17 @@ class Naming:
                 self.source[out] = ins[0]
                 if ins[0] in self.measured:
                     self.measured.add(out)
+
+    def _fed_in_backward(self, eqn: Any, ins: list) -> Path | None:
+        """The layer a value of the backward pass is an input of: that of its
+        tensor-shaped inputs, if every one is an input of that layer (a forward
+        activation quantised again, times its scale). One that is not is a
+        gradient: tanh's and exp's derivatives multiply the output gradient by
+        their forward output, the next layer's input, and the product is no input
+        of it."""
+        shape = eqn.outvars[0].aval.shape
+        layers = {self.feeds.get(v) for v in ins if v.aval.shape == shape}
+        return layers.pop() if len(layers) == 1 else None
 
     def remember(self, eqn: Any) -> None:
         """Keeps what a forward equation computed, for `recompute` to find."""
