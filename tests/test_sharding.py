@@ -378,6 +378,11 @@ def test_gather_params_errors(getkey):
         eqx_amp.sharding.gather_params(params, "data", specs=[P("data"), P(), P()])
     with pytest.raises(ValueError, match="names 'data' at dimension 1, but the array"):
         eqx_amp.sharding.gather_params(params, "data", specs=P(None, "data"))
+    # `specs` that shard nothing over the axis: refused as the typed case is.
+    with pytest.raises(ValueError, match="found no array in the tree that `specs`"):
+        eqx_amp.sharding.gather_params(params, "data", specs=P())
+    with pytest.raises(ValueError, match="found no array in the tree that `specs`"):
+        eqx_amp.sharding.gather_params(params, "data", specs=P(None, "model"))
 
 
 def test_average_refuses_sharded_parameters_and_can_be_turned_off(getkey):

@@ -61,6 +61,11 @@ def recording_gathers() -> Iterator[set]:
         _gathers.reset(token)
 
 
+_NOTHING_SHARDED_BY_SPECS = (
+    "`gather_params` found no array in the tree that `specs` shards over the axis "
+    "{axis!r}: nothing would be gathered. Name {axis!r} in the `specs` (the shards' "
+    "`in_specs`) of the arrays sharded over it."
+)
 _NOTHING_SHARDED = (
     "`gather_params` found no array in the tree that varies over the axis {axis!r}. "
     "Without `specs`, it gathers the arrays `jax.shard_map` types as differing per "
@@ -374,7 +379,7 @@ def _gathered_dims(shards: PyTree, axis_name: Hashable, specs: PyTree | None):
             raise ValueError(_NOTHING_SHARDED.format(axis=axis_name))
         return dims
     try:
-        return jtu.tree_map(
+        dims = jtu.tree_map(
             lambda spec, subtree: jtu.tree_map(
                 lambda leaf: _spec_dim(spec, axis_name, leaf), subtree
             ),
@@ -389,3 +394,7 @@ def _gathered_dims(shards: PyTree, axis_name: Hashable, specs: PyTree | None):
             "`specs` must be a pytree prefix of `shards` whose leaves are "
             f"`PartitionSpec`s or None (the shards' `in_specs`). JAX: {error}"
         ) from None
+    has_arrays = any(eqx.is_array(x) for x in jtu.tree_leaves(shards))
+    if has_arrays and all(d is None for d in jtu.tree_leaves(dims, is_leaf=is_none)):
+        raise ValueError(_NOTHING_SHARDED_BY_SPECS.format(axis=axis_name))
+    return dims
