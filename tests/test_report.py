@@ -222,3 +222,28 @@ def test_report_counts_mixed_matmuls_and_says_why_they_are_wide(getkey):
         "made by `broadcast_in_dim`" in wide.reason and "test_report.py" in wide.reason
     )
     assert "matmuls with a wide operand" in str(report)
+
+
+def test_find_nonfinite_names_a_constant_holding_inf_or_nan():
+    """Arguments are checked before the run; a constant the function closes over,
+    a literal, or a mask's fill value was not: the output was NaN and the answer
+    `None`."""
+    x = jnp.arange(4.0)
+    bad = jnp.array([1.0, jnp.nan, 1.0, 1.0])
+    for fn, primitive in [
+        (lambda x: x * bad, "mul"),
+        (lambda x: x + jnp.inf, "add"),
+    ]:
+        found = eqx_amp.find_nonfinite(fn, x)
+        assert found is not None and found.primitive == primitive
+        assert found.hint.startswith("a constant of the program already holds inf")
+
+    def attention(scores, mask):  # a row with nothing unmasked
+        return jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+
+    mask = jnp.array([[True, True], [False, False]])
+    found = eqx_amp.find_nonfinite(attention, jnp.ones((2, 2)), mask)
+    assert found is not None and "a mask fill value" in found.hint
+    # Finite throughout, or a NaN constant selected away: nothing to report.
+    assert eqx_amp.find_nonfinite(attention, jnp.ones((2, 2)), mask | True) is None
+    assert eqx_amp.find_nonfinite(jnp.var, x) is None

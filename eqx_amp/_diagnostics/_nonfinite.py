@@ -13,7 +13,7 @@ import numpy as np
 
 from .._core._cast import is_floating_dtype, is_half_dtype
 from .._jaxpr._evaluate import evaluate
-from .._jaxpr._hook import Frame, Hook, is_higher_order
+from .._jaxpr._hook import Frame, Hook, Origin, is_higher_order
 from ._report import trace
 
 
@@ -56,6 +56,8 @@ class NonfiniteOp:
 
 
 def _nonfinite(value: Any) -> bool:
+    if isinstance(value, (float, complex, np.inexact)):  # a literal: `-jnp.inf`
+        return not np.isfinite(value)
     # Reduced where the array lives: only the answer comes to the host, and an array
     # spread over several processes' devices cannot come whole to any of them.
     return (
@@ -101,6 +103,14 @@ def _hint(name: str, in_dtypes: tuple[str, ...], out_dtype: np.dtype) -> str:
         f"{name} overflowed {out_dtype.name} (max {largest}): its inputs are too "
         "large; check the scale of the values reaching it."
     )
+
+
+_CONSTANT_HINT = (
+    "a constant of the program already holds inf or nan (a literal such as "
+    "`jnp.inf` or `-jnp.inf`, a mask fill value, or an array the function closes "
+    "over), and this op reads it: where it is meant (a mask), some row has nothing "
+    "left unmasked; otherwise fix the constant."
+)
 
 
 def _describe_op(eqn: Any, frame: Frame, invals: list, bad: Any) -> NonfiniteOp:
@@ -158,8 +168,16 @@ class _NonfiniteSources(Hook):
         elif _all_finite(invals):
             source = _describe_op(eqn, frame, invals, bad_out[0])
             self._found.append(source)
+        elif all(
+            o == Origin.CONSTANT for v, o in zip(invals, origins) if _nonfinite(v)
+        ):
+            # Arguments were checked before the run: a constant (a literal such as
+            # `jnp.inf`, an array the function closes over) held it.
+            made = _describe_op(eqn, frame, invals, bad_out[0])
+            source = dataclasses.replace(made, hint=_CONSTANT_HINT)
+            self._found.append(source)
         else:
-            return outvals  # an argument that already held inf or nan
+            return outvals  # made from an argument that already held inf or nan
         for value in bad_out:
             self._source_of.setdefault(id(value), (value, source))
         return outvals
