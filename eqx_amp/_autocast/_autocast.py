@@ -112,7 +112,9 @@ def autocast(
     it. The interpreter recurses into every higher-order primitive (`jit`,
     `custom_jvp`, `custom_vjp`, `scan`, `while`, `cond`, `checkpoint`, `shard_map`),
     so nothing in a real model escapes it. Loop carries keep their dtypes, explicit
-    casts (`x.astype(jnp.float32)`) are honoured, custom derivative rules stay in
+    casts the traced program holds are honoured (a cast to float32 of a value
+    traced as float32 holds none: use `eqx_amp.full_precision()` there), custom
+    derivative rules stay in
     use, and the outputs have the dtypes `fn` returns without autocast. Equinox's
     norm layers compute in float32; LayerNorm, RMSNorm and GroupNorm hand back the
     dtype their input arrived in, as they do when called on it directly.
