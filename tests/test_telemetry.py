@@ -825,3 +825,24 @@ def test_every_layer_has_its_gradient_rows_whatever_the_activation(activation):
         assert roles == {
             "weight", "activation", "output gradient", "parameter gradient"
         }, (layer, roles)  # fmt: skip
+
+
+def test_a_step_under_delayed_fp8_scaling_says_what_it_does_not_measure():
+    model = eqx.nn.Linear(32, 32, key=jr.key(0))
+    x, y = jr.normal(jr.key(1), (32, 32)), jr.normal(jr.key(2), (32, 32))
+
+    def loss_fn(model, x, y):
+        amp = eqx_amp.filter_amp(eqx.filter_vmap(model), fp8=eqx_amp.fp8.TENSORWISE)
+        return jnp.mean((amp(x).astype(jnp.float32) - y) ** 2)
+
+    def step(model, scaling, x, y):
+        def scaled(diff, x, y):
+            model, scaling = diff
+            with eqx_amp.fp8.delayed(scaling):
+                return loss_fn(model, x, y)
+
+        return eqx.filter_value_and_grad(scaled)((model, scaling), x, y)
+
+    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    with pytest.warns(UserWarning, match=r"does not measure the tensors of delayed"):
+        eqx.filter_jit(eqx_amp.diagnostics.telemetry(step))(model, scaling, x, y)

@@ -15,7 +15,8 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from .._bimodel import BiModel
-from .._core._wrapper import FunctionWrapper, check_callable
+from .._core._wrapper import FunctionWrapper, check_callable, warn_once
+from .._fp8._delayed import DelayedScaling
 from .._jaxpr._evaluate import evaluate_making
 from .._jaxpr._hook import Origin, cast_to
 from ._measure import Measure
@@ -393,7 +394,18 @@ def _views(model: Any) -> list[Any]:
     return []
 
 
+_DELAYED_NOT_MEASURED = (
+    "`telemetry` does not measure the tensors of delayed fp8 scaling (a "
+    "`DelayedScaling` is among the step's arguments): its fp8 casts, and the "
+    "activations and gradients of the products reading them, have no rows. Measure "
+    "the step with current scaling (without `eqx_amp.fp8.delayed`) to see them."
+)
+
+
 def _measure(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Telemetry]:
+    is_scaling = lambda x: isinstance(x, DelayedScaling)  # noqa: E731
+    if any(map(is_scaling, jtu.tree_leaves((args, kwargs), is_leaf=is_scaling))):
+        warn_once(_DELAYED_NOT_MEASURED)
     names = _argument_names(fn, len(args))
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     leaves, treedef = jtu.tree_flatten(dynamic)
