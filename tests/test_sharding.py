@@ -627,3 +627,18 @@ def test_custom_jvp_activations_differentiate_inside_shard_map(getkey, reduce):
         reference = eqx.filter_grad(loss)(model, x, lambda f, policy: f)
         assert global_rel_error(grads_vma, reference) < 2e-2
         assert global_rel_error(grads, reference) < 2e-2
+
+
+def test_specs_that_call_a_shard_replicated_are_refused(getkey):
+    params = eqx.filter(eqx.nn.Linear(8, 4, key=getkey()), eqx.is_array)
+    in_specs = jax.tree_util.tree_map(lambda _: P("data"), params)
+    wrong = eqx.tree_at(lambda p: p.bias, in_specs, P())
+
+    def body(shards):
+        return eqx_amp.sharding.gather_params(shards, "data", specs=wrong)
+
+    step = jax.shard_map(
+        body, mesh=_one_device_mesh(), in_specs=(in_specs,), out_specs=in_specs
+    )
+    with pytest.raises(ValueError, match=r"`specs` gives an array of shape \(4,\) no"):
+        jax.eval_shape(step, params)

@@ -107,6 +107,12 @@ def _gather_one(
             else leaf
         )
 
+    if axis is None and axis_name in compat.varying_axes(leaf):
+        raise ValueError(
+            f"`specs` gives an array of shape {leaf.shape} no dimension sharded over "
+            f"{axis_name!r}, but `shard_map` passed it in as a shard (typed as "
+            f"varying over {axis_name!r}): `specs` must be the shards' `in_specs`."
+        )
     fp8_values = None  # made without a derivative: `backward` passes it through
     if in_fp8 is not None and axis is not None:
         fp8_values = fp8.gather_shard(
