@@ -874,6 +874,13 @@ def test_no_tracer_outlives_a_delayed_step(road, scales_in_gemm, getkey):
     assert np.all(np.isfinite(scaling.scales()))
 
 
+def _initialised_mlp(getkey):
+    """An MLP, a batch, its `filter_amp` fp8 loss and a `DelayedScaling` from it."""
+    model, (x, y) = _mlp(getkey()), _data(getkey())
+    loss_fn = _loss_on("filter_amp")
+    return model, x, y, loss_fn, eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+
+
 class _ReadInAndAfterALoop(eqx.Module):
     """An activation read by a product in a loop body (closed over, as an encoder's
     memory is by scanned layers) and by another after the loop."""
@@ -937,9 +944,7 @@ def test_a_scaling_that_is_not_differentiated_is_warned_of(getkey):
     """`delayed` around the gradient's call, with the scaling not among what is
     differentiated: its observations cannot leave, so the scales would never
     move."""
-    model, (x, y) = _mlp(getkey()), _data(getkey())
-    loss_fn = _loss_on("filter_amp")
-    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    model, x, y, loss_fn, scaling = _initialised_mlp(getkey)
     with pytest.warns(
         UserWarning, match=r"the `DelayedScaling` given to `delayed` is not"
     ):
@@ -954,9 +959,7 @@ def test_a_scaling_that_is_not_differentiated_is_warned_of(getkey):
 
 
 def test_delayed_entered_twice_is_refused(getkey):
-    model, (x, y) = _mlp(getkey()), _data(getkey())
-    loss_fn = _loss_on("filter_amp")
-    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    model, x, y, loss_fn, scaling = _initialised_mlp(getkey)
     with pytest.raises(ValueError, match=r"`eqx_amp.fp8.delayed` is in effect"):
         with eqx_amp.fp8.delayed(scaling):
             with eqx_amp.fp8.delayed(scaling):
@@ -978,9 +981,7 @@ def test_a_product_under_stop_gradient_is_named_among_the_unseen(getkey):
 
 
 def test_update_under_x64_with_strict_promotion(getkey):
-    model, (x, y) = _mlp(getkey()), _data(getkey())
-    loss_fn = _loss_on("filter_amp")
-    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    model, x, y, loss_fn, scaling = _initialised_mlp(getkey)
     _, _, observed = _delayed_value_and_grad(loss_fn)(model, scaling, x, y)
     with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
         newer = scaling.update(observed)
@@ -989,9 +990,7 @@ def test_update_under_x64_with_strict_promotion(getkey):
 
 
 def test_a_concrete_forward_under_delayed_weights_is_refused(getkey):
-    model, (x, y) = _mlp(getkey()), _data(getkey())
-    loss_fn = _loss_on("filter_amp")
-    scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
+    model, x, y, loss_fn, scaling = _initialised_mlp(getkey)
     with pytest.raises(ValueError, match=r"a product ran on concrete arrays"):
         with eqx_amp.fp8.delayed(scaling):
             loss_fn(model, x, y)
