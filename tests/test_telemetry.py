@@ -827,7 +827,9 @@ def test_every_layer_has_its_gradient_rows_whatever_the_activation(activation):
         }, (layer, roles)  # fmt: skip
 
 
-def test_a_step_under_delayed_fp8_scaling_says_what_it_does_not_measure():
+def test_a_step_under_delayed_fp8_scaling_is_measured_as_current_scalings():
+    """Its rows on the batch `init` saw are current scaling's; on an input grown
+    16-fold the scale trails the tensor, and the values it clips are counted."""
     model = eqx.nn.Linear(32, 32, key=jr.key(0))
     x, y = jr.normal(jr.key(1), (32, 32)), jr.normal(jr.key(2), (32, 32))
 
@@ -843,6 +845,26 @@ def test_a_step_under_delayed_fp8_scaling_says_what_it_does_not_measure():
 
         return eqx.filter_value_and_grad(scaled)((model, scaling), x, y)
 
+    def rows(telemetry):
+        return {(t.role, t.dtype, t.scaling): t for t in telemetry.tensors}
+
     scaling = eqx_amp.fp8.DelayedScaling.init(loss_fn, model, x, y)
-    with pytest.warns(UserWarning, match=r"does not measure the tensors of delayed"):
-        eqx.filter_jit(eqx_amp.diagnostics.telemetry(step))(model, scaling, x, y)
+    measured = eqx.filter_jit(eqx_amp.diagnostics.telemetry(step))
+    _, delayed = measured(model, scaling, x, y)
+    current = eqx.filter_jit(
+        eqx_amp.diagnostics.telemetry(eqx.filter_value_and_grad(loss_fn))
+    )(model, x, y)[1]
+    assert rows(delayed).keys() == rows(current).keys()
+    for key, row in rows(current).items():
+        assert float(rows(delayed)[key].amax) == float(row.amax), key
+    fp8 = ("activation", "float8_e4m3fn", "tensorwise")
+    assert float(rows(delayed)[fp8].overflow) == 0.0
+    grown = x.at[0, 0].set(16 * jnp.max(jnp.abs(x)))
+    _, stale = measured(model, scaling, grown, y)
+    row = rows(stale)[fp8]
+    # The amax of the tensor it quantises (the activation in bfloat16), not of
+    # what the quantisation clipped it to.
+    amax = jnp.max(jnp.abs(grown)).astype(jnp.bfloat16)
+    assert float(row.amax) == float(amax) > 448 / float(row.scale)
+    assert float(row.overflow) == 1 / x.size
+    assert float(row.nonfinite) == 0.0

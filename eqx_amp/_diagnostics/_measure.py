@@ -153,6 +153,12 @@ class Measure(Hook):
             # rounding of the product, clipped before the grid, not a saturation.
             largest = float(jnp.finfo(value.dtype).max)
             source = jnp.clip(self.scaled_value, -largest, largest)
+        elif (
+            site.scaling in ("tensorwise", "rowwise") and self.scaled_value is not None
+        ):
+            # Read before the quantisation clips it: a scale that trails its tensor
+            # (delayed scaling) saturates values, and they are counted.
+            source = self.scaled_value
         self._record(site, invar, value, source, scale)
         self.scale = self.scaled = self.scaled_value = None
         naming.measured.add(outvar)

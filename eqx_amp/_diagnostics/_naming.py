@@ -85,9 +85,15 @@ class Naming:
             for v, o in zip(eqn.invars, origins)
             if o == Origin.PARAMS and not isinstance(v, compat.Literal)
         ]
+        # A parameter times constants (a scale) is still that parameter.
+        not_constant = [
+            v
+            for v, o in zip(eqn.invars, origins)
+            if o != Origin.CONSTANT and not isinstance(v, compat.Literal)
+        ]
         inherited = {
             "paths": unique(self.paths.get(v) for v in param_ins)
-            if len(param_ins) == len(ins)
+            if len(param_ins) == len(not_constant)
             else None,
         }
         pending: frozenset = frozenset()

@@ -115,11 +115,15 @@ def _bits_of(magnitude: float) -> int:
     return int(np.float32(magnitude).view(np.int32))
 
 
-def _held(magnitude: Array, dtype: Any, at_cast: bool) -> list[Array]:
+def _held(
+    magnitude: Array, dtype: Any, at_cast: bool, clips: bool = False
+) -> list[Array]:
     """Masks of the values `magnitude` (`_magnitude_bits`) that `dtype` holds as
     subnormals and as inf or NaN; at a cast into `dtype` (`magnitude` of the values
     before it), also of those it flushes to zero and those past its largest finite
-    value (saturated, or overflowed to inf: NaN in e4m3fn)."""
+    value (saturated, or overflowed to inf: NaN in e4m3fn). A cast that `clips`
+    (fp8 quantisation clips finite values to the largest first) makes inf or NaN
+    of inf and NaN alone."""
     finfo = jnp.finfo(dtype)
     tiny, smallest = float(finfo.smallest_subnormal), float(finfo.smallest_normal)
     if not at_cast:
@@ -133,7 +137,8 @@ def _held(magnitude: Array, dtype: Any, at_cast: bool) -> list[Array]:
     finite = magnitude < _INF_BITS
     return [
         (magnitude > flushed_up_to) & (magnitude < _bits_of(smallest - tiny / 2)),
-        magnitude >= min(_bits_of(_rounds_to_inf(dtype)), _INF_BITS),
+        magnitude
+        >= (_INF_BITS if clips else min(_bits_of(_rounds_to_inf(dtype)), _INF_BITS)),
         (magnitude > 0) & (magnitude <= flushed_up_to),
         finite & (magnitude > _bits_of(float(finfo.max))),
     ]
@@ -192,7 +197,9 @@ def _counted_whole(magnitude: Array, dtype: Any, at_cast: bool, fp8_scaled: bool
     (`_reduce_whole`). An fp8 cast's amax is left to `_amax`, as its quantisation
     takes it: XLA merges the two (one pass fewer on the H100 compile)."""
     maxima = [] if fp8_scaled else [magnitude]
-    masks = [m.astype(jnp.float32) for m in _held(magnitude, dtype, at_cast)]
+    masks = [
+        m.astype(jnp.float32) for m in _held(magnitude, dtype, at_cast, fp8_scaled)
+    ]
     largest, counts = _reduce_whole(maxima, masks)
     return (None if fp8_scaled else largest[0]), float(magnitude.size), counts
 
@@ -201,7 +208,7 @@ def _counted_sample(magnitude: Array, dtype: Any, at_cast: bool, fp8_scaled: boo
     """`_counted_whole` on a CPU: the amax in its own max pass, the fractions
     counted in a strided sample of at most `SAMPLE_SIZE` values."""
     sample = _sample(magnitude, _stride(magnitude.shape))
-    masks = jnp.stack(_held(sample, dtype, at_cast))
+    masks = jnp.stack(_held(sample, dtype, at_cast, fp8_scaled))
     counts = list(jnp.sum(masks, axis=1, dtype=jnp.float32))
     largest = None if fp8_scaled or magnitude.size == 0 else jnp.max(magnitude)
     return largest, float(sample.size), counts

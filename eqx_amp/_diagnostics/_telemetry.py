@@ -15,7 +15,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from .._bimodel import BiModel
-from .._core._wrapper import FunctionWrapper, check_callable, warn_once
+from .._core._wrapper import FunctionWrapper, check_callable
 from .._fp8._delayed import DelayedScaling
 from .._jaxpr._evaluate import evaluate_making
 from .._jaxpr._hook import Origin, cast_to
@@ -394,18 +394,18 @@ def _views(model: Any) -> list[Any]:
     return []
 
 
-_DELAYED_NOT_MEASURED = (
-    "`telemetry` does not measure the tensors of delayed fp8 scaling (a "
-    "`DelayedScaling` is among the step's arguments): its fp8 casts, and the "
-    "activations and gradients of the products reading them, have no rows. Measure "
-    "the step with current scaling (without `eqx_amp.fp8.delayed`) to see them."
-)
+def _of_a_scaling(dynamic: Any) -> list[bool]:
+    """For each array leaf of `dynamic`: whether it belongs to a `DelayedScaling`."""
+    is_scaling = lambda x: isinstance(x, DelayedScaling)  # noqa: E731
+    marked = jtu.tree_map(
+        lambda node: jtu.tree_map(lambda _: True, node) if is_scaling(node) else False,
+        dynamic,
+        is_leaf=is_scaling,
+    )
+    return jtu.tree_leaves(marked)
 
 
 def _measure(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Telemetry]:
-    is_scaling = lambda x: isinstance(x, DelayedScaling)  # noqa: E731
-    if any(map(is_scaling, jtu.tree_leaves((args, kwargs), is_leaf=is_scaling))):
-        warn_once(_DELAYED_NOT_MEASURED)
     names = _argument_names(fn, len(args))
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     leaves, treedef = jtu.tree_flatten(dynamic)
@@ -415,7 +415,12 @@ def _measure(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Telemetry]:
         for path in keyed_paths(arg, names[i], _views(args[i]))
     ] + [path for k, v in dynamic[1].items() for path in keyed_paths(v, k)]
     in_model = len(jtu.tree_leaves(dynamic[0][0]))
-    origins = [Origin.PARAMS] * in_model + [Origin.DATA] * (len(leaves) - in_model)
+    # A `DelayedScaling`'s arrays are constants of the step: a weight times one of
+    # its scales is still the weight.
+    origins = [Origin.PARAMS] * in_model + [
+        Origin.CONSTANT if scaling else Origin.DATA
+        for scaling in _of_a_scaling(dynamic)[in_model:]
+    ]
     static_out = []
 
     def flat_fn(*leaves):

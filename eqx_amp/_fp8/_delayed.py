@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -35,7 +36,7 @@ from jaxtyping import Array, Float, Int
 from .._core._loss_scale_in_effect import loss_scale_in_effect
 from .._jaxpr import _compat as compat
 from .._jaxpr._evaluate import inlining_calls
-from ._products import fp8_matmul_delayed, known_fp8, varying_over
+from ._products import FP8_SCOPE, fp8_matmul_delayed, known_fp8, varying_over
 from ._scaling import (
     E4M3,
     MAX_SCALE,
@@ -384,10 +385,13 @@ class _Supply:
             return entry[2], entry[3], ((), ())
         scale, receiver = self.take("activation", sizes)
         values = lax.stop_gradient(x)
-        amax = finite_amax(values, tuple(range(x.ndim))).reshape(())
-        if scale is None:
-            scale = scale_from_amax(amax, E4M3)
-        quantized = quantize_with(values, scale, E4M3)
+        # Under the fp8 scope, as the products' own quantisations: `telemetry`
+        # reads the cast there with the scale it multiplies by.
+        with jax.named_scope(FP8_SCOPE):
+            amax = finite_amax(values, tuple(range(x.ndim))).reshape(())
+            if scale is None:
+                scale = scale_from_amax(amax, E4M3)
+            quantized = quantize_with(values, scale, E4M3)
         self._note_bound(quantized)
         shaped = jnp.reshape(scale, (1,) * x.ndim)
         self._quantized[(id(x), id(trace))] = (x, trace, quantized, shaped)
