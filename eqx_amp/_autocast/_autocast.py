@@ -114,10 +114,10 @@ def autocast(
     so nothing in a real model escapes it. Loop carries keep their dtypes, explicit
     casts the traced program holds are honoured (a cast to float32 of a value
     traced as float32 holds none: use `eqx_amp.full_precision()` there), custom
-    derivative rules stay in
-    use, and the outputs have the dtypes `fn` returns without autocast. Equinox's
-    norm layers compute in float32; LayerNorm, RMSNorm and GroupNorm hand back the
-    dtype their input arrived in, as they do when called on it directly.
+    derivative rules stay in use, and the outputs have the dtypes `fn` returns
+    without autocast. Equinox's norm layers compute in float32; LayerNorm, RMSNorm
+    and GroupNorm hand back the dtype their input arrived in, as they do when
+    called on it directly.
 
     **Arguments:**
 

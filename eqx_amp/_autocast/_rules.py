@@ -209,15 +209,16 @@ _FULL_PRIMITIVES = (
     # A sum over each window (average pooling): in bfloat16 a running sum of values
     # near 1 stops growing at 2**8 steps of its own ulp.
     lax.reduce_window_sum_p,
+    # XLA has no half-precision FFT (an RFFT of bfloat16 is refused).
+    lax.fft_p,
     # A variance as E[x^2] - E[x]^2 cancels: squares rounded to bfloat16 (2^-9) are
     # off by more than the variance once the mean is ~16x the spread (a norm layer
     # that does not compute in float32 itself, such as Flax's).
     lax.square_p,
 )  # fmt: skip
-# Decompositions, solves and FFTs: LAPACK, cuSOLVER and XLA's FFT have no
-# half-precision kernels (an RFFT of bfloat16 is refused), and decompositions are
-# ill-conditioned in half precision anyway (PyTorch's autocast lists them as float32
-# ops too).
+# Decompositions and solves: LAPACK and cuSOLVER have no half-precision kernels, and
+# their results are ill-conditioned in half precision anyway (PyTorch's autocast
+# lists them as float32 ops too).
 _LINALG_PRIMITIVES = tuple(
     getattr(jax.lax.linalg, f"{name}_p", None)
     for name in (
@@ -225,7 +226,7 @@ _LINALG_PRIMITIVES = tuple(
         "householder_product", "lu", "ormqr", "qr", "schur", "svd",
         "symmetric_product", "triangular_solve", "tridiagonal", "tridiagonal_solve",
     )
-) + (getattr(lax, "fft_p", None),)  # fmt: skip
+)  # fmt: skip
 _PROMOTE_PRIMITIVES = (
     lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.rem_p, lax.max_p, lax.min_p,
     lax.atan2_p, lax.nextafter_p, lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p,

@@ -135,10 +135,10 @@ def _held(
     # (even) and half a subnormal step below the smallest normal rounds up to it.
     flushed_up_to = _bits_of(tiny / 2)
     finite = magnitude < _INF_BITS
+    nonfinite_from = min(_bits_of(_rounds_to_inf(dtype)), _INF_BITS)
     return [
         (magnitude > flushed_up_to) & (magnitude < _bits_of(smallest - tiny / 2)),
-        magnitude
-        >= (_INF_BITS if clips else min(_bits_of(_rounds_to_inf(dtype)), _INF_BITS)),
+        magnitude >= (_INF_BITS if clips else nonfinite_from),
         (magnitude > 0) & (magnitude <= flushed_up_to),
         finite & (magnitude > _bits_of(float(finfo.max))),
     ]
